@@ -1,0 +1,3 @@
+"""modalmesh: the shared runtime every modalmesh service embeds."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,222 @@
+"""One Prometheus schema for every service: prefix ``modalmesh_``, label ``service``.
+
+The schema is data (``SCHEMA``) and is documented in docs/metrics.md (a test
+keeps the two in step). Services fill the values; the names do not change.
+
+    metrics = Metrics("llm")
+    metrics.queue_depth.set(3)
+    metrics.requests_total.labels(rpc="Generate", code="OK").inc()
+    port = metrics.start_exporter("0.0.0.0", 9400)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+log = logging.getLogger(__name__)
+
+PREFIX = "modalmesh_"
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # exposed name, with the prefix (and _total for counters)
+    kind: str  # "counter" | "gauge" | "histogram"
+    doc: str
+    labels: tuple[str, ...] = ()  # besides "service", which every metric carries
+    buckets: tuple[float, ...] | None = None
+
+
+SCHEMA: tuple[MetricSpec, ...] = (
+    # Service identity and readiness.
+    MetricSpec("modalmesh_service_info", "gauge", "Always 1; labels describe the served model.",
+               ("model_id", "version", "dtype", "device")),
+    MetricSpec("modalmesh_ready", "gauge", "1 while health is SERVING, else 0."),
+    # RPCs.
+    MetricSpec("modalmesh_requests_total", "counter", "RPCs finished, by method and gRPC status code.",
+               ("rpc", "code")),
+    MetricSpec("modalmesh_request_duration_seconds", "histogram", "RPC wall time, by method and status code.",
+               ("rpc", "code"), _LATENCY),
+    MetricSpec("modalmesh_requests_in_flight", "gauge", "RPCs being handled now.", ("rpc",)),
+    MetricSpec("modalmesh_queue_depth", "gauge", "Work items waiting to be scheduled."),
+    MetricSpec("modalmesh_batch_size", "histogram", "Items (sequences, images, clips, latents) per executed batch.",
+               (), _BATCH),
+    MetricSpec("modalmesh_batch_tokens", "histogram", "Tokens (or patches / frames) per executed batch.",
+               (), _BATCH),
+    # LLM tokens and latency.
+    MetricSpec("modalmesh_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
+    MetricSpec("modalmesh_generation_tokens_total", "counter", "Tokens generated."),
+    MetricSpec("modalmesh_time_to_first_token_seconds", "histogram", "Request arrival to first output token.",
+               (), _LATENCY),
+    MetricSpec("modalmesh_time_per_output_token_seconds", "histogram", "Gap between output tokens of a request.",
+               (), _TOKEN_LATENCY),
+    # Encoders and VAE.
+    MetricSpec("modalmesh_encoded_items_total", "counter", "Items encoded (images, audio clips).", ("modality",)),
+    MetricSpec("modalmesh_decoded_images_total", "counter", "Images decoded by the VAE."),
+    MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
+    MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),
+    # Embedding transfer between services.
+    MetricSpec("modalmesh_transfer_bytes_total", "counter", "Tensor bytes sent or received over gRPC.",
+               ("direction",)),
+    MetricSpec("modalmesh_transfer_seconds", "histogram", "Time to move one tensor payload.",
+               ("direction",), _LATENCY),
+    # Weights.
+    MetricSpec("modalmesh_weight_load_seconds", "gauge", "Seconds spent loading weights."),
+    MetricSpec("modalmesh_weight_load_bytes", "gauge", "Bytes of weights loaded."),
+    MetricSpec("modalmesh_weight_load_bytes_per_second", "gauge", "Weight loading throughput."),
+    # Attention backends.
+    MetricSpec("modalmesh_attention_backend_info", "gauge",
+               "Always 1; the attention backend chosen per component and why.",
+               ("component", "backend", "reason")),
+    MetricSpec("modalmesh_attention_fallback_total", "counter",
+               "Calls rerouted from the selected backend to another one.",
+               ("component", "from", "to", "reason")),
+    # Token / embedding pools: the LLM's KV pool ("kv"), encoders' embedding cache.
+    MetricSpec("modalmesh_kv_pool_capacity_tokens", "gauge", "Tokens (or cached rows) the pool can hold.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_used_tokens", "gauge", "Tokens (or cached rows) held now.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_usage_ratio", "gauge", "used / capacity.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_bytes", "gauge", "Bytes reserved by the pool.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_page_size", "gauge", "Tokens per page (0 when not paged).", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_info", "gauge", "Always 1; labels describe the pool layout.",
+               ("pool", "dtype", "layers", "kv_heads", "head_dim", "v_head_dim")),
+    MetricSpec("modalmesh_cache_hits_total", "counter", "Pool lookups that hit.", ("pool",)),
+    MetricSpec("modalmesh_cache_misses_total", "counter", "Pool lookups that missed.", ("pool",)),
+)
+
+SCHEMA_BY_NAME = {spec.name: spec for spec in SCHEMA}
+
+
+class BoundMetric:
+    """A metric with its ``service`` label filled in."""
+
+    def __init__(self, metric, service: str, labelnames: tuple[str, ...]):
+        self.metric = metric
+        self.service = service
+        self.labelnames = labelnames
+
+    def labels(self, **labels):
+        return self.metric.labels(service=self.service, **{k: str(v) for k, v in labels.items()})
+
+    def remove(self, **labels) -> None:
+        values = [self.service] + [str(labels[name]) for name in self.labelnames]
+        try:
+            self.metric.remove(*values)
+        except KeyError:
+            pass
+
+    # Shorthands for metrics whose only label is "service".
+    def inc(self, amount: float = 1) -> None:
+        self.labels().inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self.labels().dec(amount)
+
+    def set(self, value: float) -> None:
+        self.labels().set(value)
+
+    def observe(self, value: float) -> None:
+        self.labels().observe(value)
+
+
+def _build(spec: MetricSpec, registry: CollectorRegistry):
+    labelnames = ("service", *spec.labels)
+    if spec.kind == "counter":
+        return Counter(spec.name.removesuffix("_total"), spec.doc, labelnames, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.doc, labelnames, registry=registry)
+    if spec.kind == "histogram":
+        return Histogram(spec.name, spec.doc, labelnames, buckets=spec.buckets, registry=registry)
+    raise ValueError(f"unknown metric kind {spec.kind!r}")
+
+
+class Metrics:
+    """The schema's metrics for one service on one registry."""
+
+    def __init__(self, service: str, registry: CollectorRegistry | None = None, *, process_metrics: bool = True):
+        self.service = service
+        self.registry = registry if registry is not None else CollectorRegistry()
+        if process_metrics and registry is None:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+        self._bound = {
+            spec.name.removeprefix(PREFIX): BoundMetric(_build(spec, self.registry), service, spec.labels)
+            for spec in SCHEMA
+        }
+        # Service-only metrics exist from the start, so a scrape shows 0, not nothing.
+        for spec in SCHEMA:
+            if not spec.labels:
+                self._bound[spec.name.removeprefix(PREFIX)].labels()
+        self._attention: dict[str, tuple[str, str]] = {}
+        self._servers: list = []
+
+    def __getattr__(self, short_name: str) -> BoundMetric:
+        try:
+            return self.__dict__["_bound"][short_name]
+        except KeyError:
+            raise AttributeError(f"no metric {PREFIX}{short_name} in the schema") from None
+
+    # Helpers for the info-style gauges, which must drop stale label sets.
+    def set_service_info(self, *, model_id: str, version: str, dtype: str, device: str) -> None:
+        self.service_info.metric.clear()
+        self.service_info.labels(model_id=model_id, version=version, dtype=dtype, device=device).set(1)
+
+    def set_attention_backend(self, component: str, backend: str, reason: str) -> None:
+        old = self._attention.get(component)
+        if old is not None:
+            self.attention_backend_info.remove(component=component, backend=old[0], reason=old[1])
+        self._attention[component] = (backend, reason)
+        self.attention_backend_info.labels(component=component, backend=backend, reason=reason).set(1)
+
+    def set_pool(self, pool: str, *, capacity_tokens: int, used_tokens: int, nbytes: int, page_size: int) -> None:
+        self.kv_pool_capacity_tokens.labels(pool=pool).set(capacity_tokens)
+        self.kv_pool_used_tokens.labels(pool=pool).set(used_tokens)
+        self.kv_pool_usage_ratio.labels(pool=pool).set(used_tokens / capacity_tokens if capacity_tokens else 0.0)
+        self.kv_pool_bytes.labels(pool=pool).set(nbytes)
+        self.kv_pool_page_size.labels(pool=pool).set(page_size)
+
+    def start_exporter(self, host: str, port: int) -> int:
+        """Serve /metrics over HTTP; returns the bound port (port 0 picks one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._servers.append(server)
+        bound = server.server_port
+        log.info("metrics exporter on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def stop_exporter(self) -> None:
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+
+
+_current: Metrics | None = None
+
+
+def install(metrics: Metrics) -> Metrics:
+    """Make `metrics` the process's registry, reachable from deep code via current()."""
+    global _current
+    _current = metrics
+    return metrics
+
+
+def current() -> Metrics:
+    """The process's Metrics (a detached one labelled "modalmesh" before install())."""
+    global _current
+    if _current is None:
+        _current = Metrics("modalmesh", process_metrics=False)
+    return _current

@@ -1,0 +1,78 @@
+"""Client channels to modalmesh services.
+
+Targets: ``host:port`` becomes ``dns:///host:port``; explicit schemes
+(``dns:///``, ``ipv4:a:p,b:p``, ``unix:``) pass through. Every channel balances
+with round_robin over the resolved addresses and retries UNAVAILABLE on the
+idempotent methods it is told about (e.g. Encode) on another replica.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import grpc
+
+from modalmesh import pb
+
+MiB = 1 << 20
+
+# Idempotent RPCs: safe to retry on another replica when it is UNAVAILABLE.
+IDEMPOTENT_METHODS: tuple[tuple[str, str], ...] = (
+    (pb.ENCODER_SERVICE, "Encode"),
+    (pb.ENCODER_SERVICE, "Info"),
+    (pb.LLM_SERVICE, "Info"),
+    (pb.VAE_SERVICE, "Decode"),
+    (pb.VAE_SERVICE, "Info"),
+)
+
+
+def normalize_target(target: str) -> str:
+    target = target.strip()
+    if not target:
+        raise ValueError("empty gRPC target")
+    if "://" in target or target.split(":", 1)[0] in {"dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock"}:
+        return target
+    return f"dns:///{target}"
+
+
+def service_config(retry_methods: Iterable[tuple[str, str]] = IDEMPOTENT_METHODS, max_attempts: int = 5) -> str:
+    return json.dumps(
+        {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "methodConfig": [
+                {
+                    "name": [{"service": s, "method": m} for s, m in retry_methods],
+                    "retryPolicy": {
+                        "maxAttempts": max_attempts,
+                        "initialBackoff": "0.05s",
+                        "maxBackoff": "1s",
+                        "backoffMultiplier": 2,
+                        "retryableStatusCodes": ["UNAVAILABLE"],
+                    },
+                }
+            ],
+        }
+    )
+
+
+def channel_options(max_message_bytes: int, retry_methods=IDEMPOTENT_METHODS) -> list[tuple[str, object]]:
+    return [
+        ("grpc.service_config", service_config(retry_methods)),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Retries buffer the request; allow the large tensors Encode carries.
+        ("grpc.per_rpc_retry_buffer_size", max_message_bytes),
+        ("grpc.retry_buffer_size", 4 * max_message_bytes),
+    ]
+
+
+def aio_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(normalize_target(target), options=channel_options(max_message_bytes, retry_methods))
+
+
+def sync_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS) -> grpc.Channel:
+    return grpc.insecure_channel(normalize_target(target), options=channel_options(max_message_bytes, retry_methods))

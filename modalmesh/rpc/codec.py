@@ -1,0 +1,90 @@
+"""torch.Tensor <-> modalmesh.v1.Tensor: raw little-endian C-order bytes.
+
+Encoding makes exactly one copy (into the protobuf bytes field). Decoding
+aliases the message's immutable bytes unless ``copy=True``: callers that write
+in place must ask for a copy (most move the tensor to a device, which copies).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian host in sight
+    raise ImportError("modalmesh's tensor codec assumes a little-endian host")
+
+# Aliasing read-only protobuf bytes is intended (see module docstring).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    pb.FLOAT32: torch.float32,
+    pb.FLOAT16: torch.float16,
+    pb.BFLOAT16: torch.bfloat16,
+    pb.INT64: torch.int64,
+    pb.INT32: torch.int32,
+    pb.INT16: torch.int16,
+    pb.INT8: torch.int8,
+    pb.UINT8: torch.uint8,
+    pb.BOOL: torch.bool,
+}
+WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(wire_dtype: int) -> str:
+    try:
+        return pb.DType.Name(wire_dtype)
+    except ValueError:
+        return str(wire_dtype)
+
+
+def to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    """Encode a tensor (any device, any strides) as a wire Tensor."""
+    wire = WIRE_DTYPES.get(tensor.dtype)
+    if wire is None:
+        raise InvalidArgument(
+            f"tensor dtype {tensor.dtype} has no wire encoding "
+            f"(supported: {', '.join(str(d) for d in WIRE_DTYPES)})"
+        )
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return pb.Tensor(dtype=wire, shape=list(tensor.shape), data=data)
+
+
+def from_proto(
+    message: pb.Tensor,
+    *,
+    name: str = "tensor",
+    device: torch.device | str | None = None,
+    copy: bool = False,
+) -> torch.Tensor:
+    """Decode a wire Tensor; malformed input raises InvalidArgument naming `name`."""
+    dtype = TORCH_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise InvalidArgument(
+            f"{name}: unknown or unspecified dtype {dtype_name(message.dtype)} "
+            f"(expected one of {', '.join(pb.DType.Name(d) for d in TORCH_DTYPES)})"
+        )
+    shape = tuple(int(d) for d in message.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    expected = numel * itemsize
+    if len(message.data) != expected:
+        raise InvalidArgument(
+            f"{name}: data holds {len(message.data)} bytes but shape {list(shape)} of "
+            f"{dtype_name(message.dtype)} needs {expected}"
+        )
+    if numel == 0:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        out = torch.frombuffer(message.data, dtype=torch.uint8).view(dtype).reshape(shape)
+        if copy:
+            out = out.clone()
+    return out if device is None else out.to(device)

@@ -1,0 +1,145 @@
+"""Server interceptor: project errors -> gRPC status, and per-RPC metrics.
+
+Clients get a status code and a one-line message, never a traceback; the
+traceback of an unexpected error stays in the server log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+
+import grpc
+
+from modalmesh.errors import ModalmeshError, one_line
+from modalmesh.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class _Outcome:
+    __slots__ = ("code",)
+
+    def __init__(self) -> None:
+        self.code = "OK"
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, metrics: Metrics | None = None):
+        self._metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith("/grpc."):  # health, reflection
+            return handler
+        rpc = method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, rpc),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, rpc),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap_unary(handler.stream_unary, rpc),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self._wrap_stream(handler.stream_stream, rpc),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap_unary(self, behavior, rpc: str):
+        async def wrapped(request, context):
+            outcome = _Outcome()
+            start = self._begin(rpc)
+            try:
+                result = behavior(request, context)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+            except BaseException as exc:  # noqa: BLE001 - mapped, then re-raised
+                await self._handle(exc, context, rpc, outcome)
+                raise
+            finally:
+                self._end(rpc, start, outcome, context)
+
+        return wrapped
+
+    def _wrap_stream(self, behavior, rpc: str):
+        async def wrapped(request, context):
+            outcome = _Outcome()
+            start = self._begin(rpc)
+            try:
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    if inspect.isawaitable(result):
+                        result = await result
+                    if result is not None:
+                        for item in result:
+                            yield item
+            except BaseException as exc:  # noqa: BLE001 - mapped, then re-raised
+                await self._handle(exc, context, rpc, outcome)
+                raise
+            finally:
+                self._end(rpc, start, outcome, context)
+
+        return wrapped
+
+    async def _handle(self, exc: BaseException, context, rpc: str, outcome: _Outcome) -> None:
+        """Record the outcome; convert project and unexpected errors into an abort."""
+        if isinstance(exc, grpc.aio.AbortError):
+            code = _context_code(context)
+            outcome.code = code.name if code is not None else "UNKNOWN"
+            return
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            outcome.code = "CANCELLED"
+            return
+        if isinstance(exc, ModalmeshError):
+            outcome.code = exc.status.name
+            await context.abort(exc.status, one_line(str(exc) or type(exc).__name__))
+        if isinstance(exc, Exception):
+            outcome.code = "INTERNAL"
+            log.exception("unexpected error in %s", rpc)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__} (details in the server log)")
+
+    def _begin(self, rpc: str) -> float:
+        if self._metrics is not None:
+            self._metrics.requests_in_flight.labels(rpc=rpc).inc()
+        return time.perf_counter()
+
+    def _end(self, rpc: str, start: float, outcome: _Outcome, context) -> None:
+        if outcome.code == "OK":  # a handler may set a code without raising
+            code = _context_code(context)
+            if code is not None and code != grpc.StatusCode.OK:
+                outcome.code = code.name
+        if self._metrics is None:
+            return
+        m = self._metrics
+        m.requests_in_flight.labels(rpc=rpc).dec()
+        m.requests_total.labels(rpc=rpc, code=outcome.code).inc()
+        m.request_duration_seconds.labels(rpc=rpc, code=outcome.code).observe(time.perf_counter() - start)
+
+
+def _context_code(context) -> grpc.StatusCode | None:
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpc without ServicerContext.code()
+        return None
+    if isinstance(code, int):
+        return next((c for c in grpc.StatusCode if c.value[0] == code), None)
+    return code

@@ -1,0 +1,154 @@
+"""gRPC server bootstrap shared by every service.
+
+`GrpcServer` wraps grpc.aio with health (NOT_SERVING until the service says it is
+ready), reflection, message limits, keepalive, a max connection age (so
+round_robin clients re-resolve and find new replicas), the status interceptor,
+and a graceful drain: health NOT_SERVING, refuse new calls, let in-flight calls
+finish within a grace period, stop. `serve_until_signal` runs that life cycle
+around a service's own start-up and shutdown on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from modalmesh.metrics import Metrics
+from modalmesh.rpc.interceptor import StatusInterceptor
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    max_message_bytes: int = 64 * MiB
+    grace_seconds: float = 30.0
+    # Clients re-resolve DNS when a connection ages out: new replicas get traffic.
+    max_connection_age_ms: int = 5 * 60_000
+    max_connection_age_grace_ms: int = 60_000
+    keepalive_time_ms: int = 30_000
+    keepalive_timeout_ms: int = 10_000
+
+    def options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_connection_age_ms", self.max_connection_age_ms),
+            ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_ms),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+class GrpcServer:
+    def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics
+        self._server = grpc.aio.server(interceptors=[StatusInterceptor(metrics)], options=config.options())
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._services: list[str] = []
+        self.port: int | None = None
+        self.draining: asyncio.Event | None = None
+
+    def add_service(self, full_name: str, add_to_server: Callable, servicer) -> None:
+        """Register a servicer, e.g. add_service(pb.LLM_SERVICE, add_LLMServiceServicer_to_server, s)."""
+        add_to_server(servicer, self._server)
+        self._services.append(full_name)
+
+    @property
+    def service_names(self) -> list[str]:
+        return list(self._services)
+
+    async def start(self) -> int:
+        self.draining = asyncio.Event()
+        reflection.enable_server_reflection(
+            [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        address = f"{self.config.host}:{self.config.port}"
+        self.port = self._server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"cannot bind gRPC server to {address}")
+        await self.set_serving(False)
+        await self._server.start()
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self._services):
+            await self.health.set(name, status)
+        if self.metrics is not None:
+            self.metrics.ready.set(1 if serving else 0)
+
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new calls, finish in-flight calls within the grace period."""
+        await self.set_serving(False)
+        stopping = asyncio.ensure_future(self._server.stop(self.config.grace_seconds))
+        await asyncio.sleep(0)  # let stop() begin refusing new calls before waking anyone
+        if self.draining is not None:
+            self.draining.set()
+        await stopping
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self._server.stop(grace)
+
+
+async def serve_until_signal(
+    server: GrpcServer,
+    startup: Callable[[], Awaitable[None]] | None = None,
+    shutdown: Callable[[], Awaitable[None]] | None = None,
+    on_listening: Callable[[int], None] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> int:
+    """Start, run `startup` (loading, warm-up), go SERVING, drain on SIGTERM/SIGINT.
+
+    Returns the process exit code: 0 after a clean drain, 1 if start-up failed.
+    """
+    loop = asyncio.get_running_loop()
+    stop = stop_event or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    await server.start()
+    if on_listening is not None:
+        on_listening(server.port)
+    exit_code = 0
+    if startup is not None:
+        starting = asyncio.ensure_future(startup())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            log.info("stop requested during start-up")
+        elif starting.exception() is not None:
+            log.error("start-up failed: %s", starting.exception(), exc_info=starting.exception())
+            exit_code = 1
+            stop.set()
+        stopping.cancel()
+    if not stop.is_set():
+        await server.set_serving(True)
+        log.info("SERVING %s on port %d", ", ".join(server.service_names), server.port)
+        await stop.wait()
+    log.info("draining (grace %.1fs)", server.config.grace_seconds)
+    await server.drain()
+    if shutdown is not None:
+        await shutdown()
+    log.info("stopped")
+    return exit_code

@@ -1,0 +1,216 @@
+"""What every service shares: common flags (also MODALMESH_* env), life cycle, Info.
+
+A service subclasses `Service`, registers its servicer, loads its model in
+`load()` (run before health turns SERVING) and describes itself in `info()`.
+`run(ServiceClass)` is the whole of a service's ``__main__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+import modalmesh
+from modalmesh import metrics as metrics_mod
+from modalmesh import pb
+from modalmesh.errors import ConfigError
+from modalmesh.rpc.server import MiB, GrpcServer, ServerConfig, serve_until_signal
+
+log = logging.getLogger("modalmesh")
+
+ENV_PREFIX = "MODALMESH_"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(dest: str) -> str:
+    return ENV_PREFIX + dest.upper()
+
+
+class _EnvDefaults(argparse.ArgumentParser):
+    """An ArgumentParser whose options default to MODALMESH_<DEST> when set."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        for action in self._actions:
+            if not action.option_strings or action.dest in {"help"}:
+                continue
+            raw = os.environ.get(env_name(action.dest))
+            if raw is None:
+                continue
+            if isinstance(action, argparse._StoreTrueAction):
+                value = raw.strip().lower()
+                if value not in _TRUE | _FALSE:
+                    self.error(f"{env_name(action.dest)}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+                action.default = value in _TRUE
+            else:
+                try:
+                    action.default = action.type(raw) if action.type else raw
+                except (TypeError, ValueError):
+                    self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}")
+        return super().parse_known_args(args, namespace)
+
+
+def build_parser(service: str, description: str, *, max_message_mb: int = 64) -> argparse.ArgumentParser:
+    parser = _EnvDefaults(
+        prog=f"python -m services.{service}",
+        description=description,
+        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=50051).",
+    )
+    parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
+    parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
+    parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
+    parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
+    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to this process")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, auto: torch.dtype | None = None) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if auto is not None:
+        return auto
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_model_dir(path: str) -> Path:
+    """A readable checkpoint directory, or a ConfigError saying what is wrong with it."""
+    model = Path(path).expanduser()
+    if not model.exists():
+        raise ConfigError(f"--model {path}: no such directory")
+    if not model.is_dir():
+        raise ConfigError(f"--model {path}: not a directory")
+    if not os.access(model, os.R_OK | os.X_OK):
+        raise ConfigError(f"--model {path}: directory is not readable")
+    configs = [model / "config.json", model / "vae" / "config.json"]
+    if not any(c.is_file() for c in configs):
+        raise ConfigError(f"--model {path}: no config.json (nor vae/config.json): not a checkpoint directory")
+    for config in configs:
+        if config.is_file() and not os.access(config, os.R_OK):
+            raise ConfigError(f"--model {path}: {config.name} is not readable")
+    return model
+
+
+class Service:
+    """Base of the four services. Subclasses set the class attributes and override hooks."""
+
+    name: str = ""  # "llm", "vision_encoder", "audio_encoder", "vae"
+    grpc_service: str = ""  # full service name, e.g. pb.LLM_SERVICE
+    description: str = ""
+    max_message_mb: int = 64
+    modality: int = pb.MODALITY_UNSPECIFIED
+    auto_dtype: torch.dtype | None = None  # dtype for --dtype auto; None: bf16 on CUDA, fp32 on CPU
+
+    def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics):
+        self.args = args
+        self.metrics = metrics
+        self.model_dir = check_model_dir(args.model) if args.model else None
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.auto_dtype)
+        self.model_id = args.model_id or (self.model_dir.name if self.model_dir else "")
+        self.weights_fingerprint = ""
+        self.ready = False
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Service-specific flags."""
+
+    def register(self, server: GrpcServer) -> None:
+        raise NotImplementedError
+
+    async def load(self) -> None:
+        """Load weights and warm up; health turns SERVING when this returns."""
+        if self.model_dir is not None:
+            from modalmesh.weights.fingerprint import checkpoint_fingerprint
+
+            self.weights_fingerprint = await asyncio.to_thread(checkpoint_fingerprint, self.model_dir)
+
+    async def close(self) -> None:
+        """Release resources after the drain."""
+
+    def info(self) -> pb.ServiceInfo:
+        return pb.ServiceInfo(
+            service=self.name,
+            version=modalmesh.__version__,
+            model_id=self.model_id,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            modality=self.modality,
+            weights_fingerprint=self.weights_fingerprint,
+            ready=self.ready,
+        )
+
+    async def _startup(self) -> None:
+        await self.load()
+        self.ready = True
+        self.metrics.set_service_info(
+            model_id=self.model_id,
+            version=modalmesh.__version__,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+
+
+def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
+    """Parse flags, serve until SIGTERM/SIGINT, return the exit code."""
+    parser = build_parser(service_cls.name, service_cls.description, max_message_mb=service_cls.max_message_mb)
+    service_cls.add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s {service_cls.name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    metrics = metrics_mod.install(metrics_mod.Metrics(service_cls.name))
+    try:
+        service = service_cls(args, metrics)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(service, args, metrics))
+
+
+async def _serve(service: Service, args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_mb * MiB,
+        grace_seconds=args.grace_period,
+    )
+    server = GrpcServer(config, metrics)
+    service.register(server)
+    metrics_port = -1
+    if args.metrics_port >= 0:
+        metrics_port = metrics.start_exporter(args.host, args.metrics_port)
+
+    def listening(port: int) -> None:
+        # One machine-readable line: the stack launcher and tests read the bound ports here.
+        log.info("listening grpc=%s:%d metrics=%s:%d", args.host, port, args.host, metrics_port)
+
+    try:
+        return await serve_until_signal(server, service._startup, service.close, on_listening=listening)
+    finally:
+        metrics.stop_exporter()

@@ -1,0 +1,1 @@
+"""The four modalmesh services: audio_encoder, vision_encoder, llm, vae."""
