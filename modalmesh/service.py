@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,7 +191,11 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(service, args, metrics))
+    code = asyncio.run(_serve(service, args, metrics))
+    # The drain is done: a late second signal must not turn a clean exit into -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 async def _serve(service: Service, args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:

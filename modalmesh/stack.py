@@ -1,0 +1,109 @@
+"""The stack on local processes: start the four services, wait for health, drain on Ctrl-C.
+
+Each service gets the same flags the compose file gives its container; only the
+ports differ (one machine). ``python -m modalmesh.stack up`` == ``modalmesh up``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from modalmesh.launcher import ServiceProcess
+
+SERVICES = ("audio_encoder", "vision_encoder", "llm", "vae")
+
+
+@dataclass
+class StackMember:
+    service: str
+    process: ServiceProcess
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    parser.add_argument("--base-port", type=int, default=50051, help="gRPC ports base, base+1, ... (0: any free port)")
+    parser.add_argument("--metrics-base-port", type=int, default=9401, help="metrics ports base, ... (0: any)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--services", default=",".join(SERVICES), help="comma-separated subset to start")
+    for service in SERVICES:
+        parser.add_argument(f"--{service.replace('_', '-')}-model", default=None, metavar="DIR",
+                            help=f"checkpoint directory for {service}")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--verbose", action="store_true", help="echo the services' logs")
+
+
+def start_stack(args: argparse.Namespace) -> list[StackMember]:
+    wanted = [s.strip() for s in args.services.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SERVICES))
+    if unknown:
+        raise SystemExit(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
+    members: list[StackMember] = []
+    for i, service in enumerate(s for s in SERVICES if s in wanted):
+        port = args.base_port + i if args.base_port else 0
+        metrics_port = args.metrics_base_port + i if args.metrics_base_port else 0
+        flags = ["--host", args.host, "--port", str(port), "--metrics-port", str(metrics_port), "--device", args.device]
+        model = getattr(args, f"{service}_model")
+        if model:
+            flags += ["--model", model]
+        members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose).start()))
+    try:
+        for member in members:
+            member.process.wait_serving(timeout=args.startup_timeout, host=args.host if args.host != "0.0.0.0" else "127.0.0.1")
+    except BaseException:
+        stop_stack(members)
+        raise
+    return members
+
+
+def stop_stack(members: list[StackMember], timeout: float = 60.0) -> dict[str, int]:
+    """Drain every service (SIGTERM to all at once), return their exit codes."""
+    for member in members:
+        member.process.send_sigterm()
+    return {m.service: m.process.terminate(timeout) for m in members}
+
+
+def print_endpoints(members: list[StackMember], host: str) -> None:
+    shown = "127.0.0.1" if host == "0.0.0.0" else host
+    print(f"{'service':<16}{'gRPC':<24}metrics")
+    for m in members:
+        print(f"{m.service:<16}{shown + ':' + str(m.process.grpc_port):<24}"
+              f"http://{shown}:{m.process.metrics_port}/metrics")
+    sys.stdout.flush()
+
+
+def up(args: argparse.Namespace) -> int:
+    members = start_stack(args)
+    print_endpoints(members, args.host)
+    print("all services SERVING; Ctrl-C drains and stops them", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        if any(m.process.proc.poll() is not None for m in members):
+            dead = [m.service for m in members if m.process.proc.poll() is not None]
+            print(f"service(s) exited unexpectedly: {dead}", file=sys.stderr)
+            for m in members:
+                if m.service in dead:
+                    print(m.process.log_tail(), file=sys.stderr)
+            stop_stack(members)
+            return 1
+        stop.wait(1.0)
+    codes = stop_stack(members)
+    print("stopped: " + ", ".join(f"{s}={c}" for s, c in codes.items()), flush=True)
+    return 0 if all(c == 0 for c in codes.values()) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modalmesh.stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
+    args = parser.parse_args(argv)
+    return up(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Tensor codec: exact round trips and clean rejection of malformed tensors."""
+
+import pytest
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument
+from modalmesh.rpc.codec import TORCH_DTYPES, from_proto, to_proto
+
+ALL_DTYPES = list(TORCH_DTYPES.values())
+
+
+def _sample(dtype: torch.dtype, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        t = torch.randn(shape, generator=g, dtype=torch.float32) * 1e3
+        return t.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,), (5, 7), (2, 3, 4)], ids=str)
+def test_round_trip_is_bit_exact(dtype, shape):
+    t = _sample(dtype, shape)
+    msg = to_proto(t)
+    assert list(msg.shape) == list(shape)
+    assert len(msg.data) == t.numel() * t.element_size()
+    back = from_proto(pb.Tensor.FromString(msg.SerializeToString()))
+    assert back.dtype == dtype and back.shape == t.shape
+    # Compare bits, so NaN payloads and -0.0 count too.
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_bfloat16_bits_and_special_values():
+    t = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3.140625], dtype=torch.bfloat16)
+    msg = to_proto(t)
+    assert msg.dtype == pb.BFLOAT16
+    assert msg.data == t.view(torch.int16).numpy().tobytes()
+    back = from_proto(msg)
+    assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+
+
+def test_non_contiguous_inputs_encode_their_logical_values():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for view in (base.t(), base[:, ::2], base[1:3, 2:5], base.expand(2, 4, 6), base.unsqueeze(0).transpose(0, 2)):
+        assert not view.is_contiguous() or view.data_ptr() != base.data_ptr()
+        back = from_proto(to_proto(view))
+        assert torch.equal(back, view.contiguous())
+
+
+def test_wire_layout_is_little_endian_c_order():
+    t = torch.tensor([[1, 2], [3, 256]], dtype=torch.int16)
+    assert to_proto(t).data == bytes([1, 0, 2, 0, 3, 0, 0, 1])
+
+
+def test_decode_copy_is_writable_and_independent():
+    msg = to_proto(torch.ones(4))
+    out = from_proto(msg, copy=True)
+    out.add_(1)
+    assert torch.equal(from_proto(msg), torch.ones(4))
+
+
+def test_unsupported_torch_dtype_is_rejected():
+    with pytest.raises(InvalidArgument, match="no wire encoding"):
+        to_proto(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize(
+    "msg, match",
+    [
+        (pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0" * 4), "unknown or unspecified dtype"),
+        (pb.Tensor(dtype=42, shape=[1], data=b"\0" * 4), "unknown or unspecified dtype 42"),
+        (pb.Tensor(dtype=pb.FLOAT32, shape=[2, -1], data=b""), "negative dimension"),
+        (pb.Tensor(dtype=pb.FLOAT32, shape=[3], data=b"\0" * 11), "holds 11 bytes but shape \\[3\\] of FLOAT32 needs 12"),
+        (pb.Tensor(dtype=pb.BFLOAT16, shape=[], data=b""), "needs 2"),
+        (pb.Tensor(dtype=pb.INT64, shape=[0], data=b"\0"), "needs 0"),
+    ],
+)
+def test_malformed_tensors_raise_invalid_argument(msg, match):
+    with pytest.raises(InvalidArgument, match=match) as info:
+        from_proto(msg, name="items[0].pcm")
+    assert str(info.value).startswith("items[0].pcm:")

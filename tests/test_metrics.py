@@ -1,0 +1,51 @@
+"""The metric schema: documented, prefixed, labelled by service, and behaving as gauges/counters should."""
+
+import re
+from pathlib import Path
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from modalmesh.metrics import SCHEMA, Metrics
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def test_docs_table_matches_schema_exactly():
+    rows = re.findall(r"^\| `(modalmesh_[a-z_]+)` \| (\w+) \| ([^|]+) \|", DOC.read_text(), re.M)
+    documented = {name: (kind, tuple(l.strip() for l in labels.split(","))) for name, kind, labels in rows}
+    expected = {s.name: (s.kind, ("service", *s.labels)) for s in SCHEMA}
+    assert documented == expected
+
+
+def test_names_are_prefixed_and_counters_end_in_total():
+    for spec in SCHEMA:
+        assert spec.name.startswith("modalmesh_")
+        assert spec.name.endswith("_total") == (spec.kind == "counter"), spec.name
+
+
+def test_info_gauges_replace_stale_label_sets():
+    m = Metrics("llm", process_metrics=False)
+    m.set_attention_backend("llm", "sdpa_math", "auto: cpu")
+    m.set_attention_backend("llm", "fa3", "override")
+    m.set_attention_backend("vae", "sdpa_math", "component default")
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    samples = [(s.labels["component"], s.labels["backend"], s.labels["reason"], s.value)
+               for s in families["modalmesh_attention_backend_info"].samples]
+    assert sorted(samples) == [("llm", "fa3", "override", 1.0), ("vae", "sdpa_math", "component default", 1.0)]
+
+
+def test_pool_gauges_and_ratio():
+    m = Metrics("llm", process_metrics=False)
+    m.set_pool("kv", capacity_tokens=1024, used_tokens=256, nbytes=4096, page_size=16)
+    get = m.registry.get_sample_value
+    assert get("modalmesh_kv_pool_usage_ratio", {"service": "llm", "pool": "kv"}) == 0.25
+    assert get("modalmesh_kv_pool_capacity_tokens", {"service": "llm", "pool": "kv"}) == 1024
+    m.set_pool("kv", capacity_tokens=0, used_tokens=0, nbytes=0, page_size=16)
+    assert get("modalmesh_kv_pool_usage_ratio", {"service": "llm", "pool": "kv"}) == 0.0
+
+
+def test_service_only_metrics_start_at_zero():
+    m = Metrics("vae", process_metrics=False)
+    assert m.registry.get_sample_value("modalmesh_queue_depth", {"service": "vae"}) == 0
+    assert m.registry.get_sample_value("modalmesh_generation_tokens_total", {"service": "vae"}) == 0

@@ -1,0 +1,172 @@
+"""The four `python -m services.<name>` processes: start, SERVING, Info, metrics, SIGTERM -> 0."""
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
+
+from modalmesh import pb
+from modalmesh.launcher import ServiceProcess
+from modalmesh.metrics import SCHEMA
+
+SERVICES = {
+    "llm": (pb.llm_pb2_grpc.LLMServiceStub, pb.LLM_SERVICE),
+    "vision_encoder": (pb.encoder_pb2_grpc.EncoderServiceStub, pb.ENCODER_SERVICE),
+    "audio_encoder": (pb.encoder_pb2_grpc.EncoderServiceStub, pb.ENCODER_SERVICE),
+    "vae": (pb.vae_pb2_grpc.VAEServiceStub, pb.VAE_SERVICE),
+}
+COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu", "--grace-period", "10"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
+    save_file({"w": torch.zeros(2, 2)}, str(root / "model.safetensors"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def running(checkpoint):
+    procs = {name: ServiceProcess(name, [*COMMON, "--model", str(checkpoint)]).start() for name in SERVICES}
+    try:
+        for proc in procs.values():
+            proc.wait_serving(timeout=120)
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.send_sigterm()
+        for proc in procs.values():
+            proc.terminate(timeout=30)
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_service_answers_info_and_health(running, name):
+    proc = running[name]
+    stub_cls, full_name = SERVICES[name]
+    with grpc.insecure_channel(proc.target) as channel:
+        info = stub_cls(channel).Info(pb.InfoRequest(), timeout=10)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=full_name), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert info.service == name
+    assert info.ready
+    assert info.device == "cpu"
+    assert info.model_id == "ckpt0"
+    assert info.weights_fingerprint.startswith("sha256:")
+    assert info.dtype == "float32"
+    assert info.modality == {"vision_encoder": pb.IMAGE, "audio_encoder": pb.AUDIO}.get(name, pb.MODALITY_UNSPECIFIED)
+
+
+def test_pods_of_one_checkpoint_share_a_fingerprint(running):
+    prints = set()
+    for name, proc in running.items():
+        stub_cls, _ = SERVICES[name]
+        with grpc.insecure_channel(proc.target) as channel:
+            prints.add(stub_cls(channel).Info(pb.InfoRequest(), timeout=10).weights_fingerprint)
+    assert len(prints) == 1
+
+
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("llm", lambda ch: list(pb.llm_pb2_grpc.LLMServiceStub(ch).Generate(pb.GenerateRequest(), timeout=10))),
+        ("vision_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
+        ("audio_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
+        ("vae", lambda ch: pb.vae_pb2_grpc.VAEServiceStub(ch).Decode(pb.DecodeRequest(), timeout=10)),
+    ],
+)
+def test_rpcs_of_later_issues_answer_unimplemented(running, name, call):
+    with grpc.insecure_channel(running[name].target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            call(channel)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "not available yet" in err.value.details()
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_metrics_endpoint_exposes_the_schema(running, name):
+    proc = running[name]
+    with grpc.insecure_channel(proc.target) as channel:  # one counted RPC
+        SERVICES[name][0](channel).Info(pb.InfoRequest(), timeout=10)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    exposed = {s.name for f in families.values() for s in f.samples} | set(families)
+    for spec in SCHEMA:
+        family = spec.name.removesuffix("_total") if spec.kind == "counter" else spec.name
+        assert family in families, f"{spec.name} missing from {name}'s /metrics"
+    assert "modalmesh_ready" in exposed
+
+    def value(sample_name, **labels):
+        for f in families.values():
+            for s in f.samples:
+                if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return None
+
+    assert value("modalmesh_ready", service=name) == 1
+    assert value("modalmesh_requests_total", service=name, rpc="Info", code="OK") >= 1
+    assert value("modalmesh_service_info", service=name, model_id="ckpt0", device="cpu") == 1
+
+
+def test_all_services_drain_and_exit_0_on_sigterm(running):
+    # Runs after the tests above in this module (definition order): stops the shared processes.
+    for proc in running.values():
+        proc.send_sigterm()
+    codes = {name: proc.terminate(timeout=30) for name, proc in running.items()}
+    assert codes == {name: 0 for name in SERVICES}
+    assert all("stopped" in proc.log_tail() for proc in running.values())
+
+
+def _run_main(args, env=None, timeout=60):
+    import os
+
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("name", list(SERVICES))
+def test_missing_model_directory_is_a_clear_error(name, tmp_path):
+    result = _run_main([f"services.{name}", "--model", str(tmp_path / "nope"), "--port", "0", "--metrics-port", "-1"])
+    assert result.returncode == 2
+    assert f"--model {tmp_path / 'nope'}: no such directory" in result.stderr
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    result = _run_main(["services.llm", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1"])
+    assert result.returncode == 2
+    assert "no config.json" in result.stderr
+
+
+def test_flags_are_read_from_modalmesh_environment(tmp_path):
+    env = {"MODALMESH_MODEL": str(tmp_path / "from-env"), "MODALMESH_PORT": "0", "MODALMESH_METRICS_PORT": "-1"}
+    result = _run_main(["services.vae"], env=env)
+    assert result.returncode == 2
+    assert "from-env: no such directory" in result.stderr
+
+
+def test_bad_environment_value_names_the_variable():
+    result = _run_main(["services.vae"], env={"MODALMESH_PORT": "fifty"})
+    assert result.returncode == 2
+    assert "MODALMESH_PORT='fifty'" in result.stderr
+
+
+def test_env_flag_starts_a_service_and_cli_probe_reports_serving():
+    proc = ServiceProcess("vae", ["--host", "127.0.0.1", "--metrics-port", "-1"], env={"MODALMESH_PORT": "0"})
+    with proc:
+        proc.wait_serving(timeout=120)
+        probe = _run_main(["modalmesh.cli", "health", "--target", proc.target])
+        assert probe.returncode == 0, probe.stderr
+        assert "SERVING" in probe.stdout
+        info = _run_main(["modalmesh.cli", "info", "--kind", "vae", "--target", proc.target])
+        assert json.loads(info.stdout)["service"] == "vae"
+        assert proc.terminate(timeout=30) == 0
+    probe = _run_main(["modalmesh.cli", "health", "--target", proc.target, "--timeout", "2"])
+    assert probe.returncode == 1
