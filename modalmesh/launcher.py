@@ -24,6 +24,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _LISTENING = re.compile(r"listening grpc=(?P<ghost>[^\s:]+|\[[^\]]+\]):(?P<gport>\d+) metrics=\S+:(?P<mport>-?\d+)")
 
 
+def _die_with_parent() -> None:
+    """Child pre-exec: SIGTERM the service if the launcher dies (Linux), so nothing is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort off Linux
+        pass
+
+
 class ServiceProcess:
     def __init__(self, service: str, args: Sequence[str] = (), *, env: dict[str, str] | None = None,
                  echo: bool = False, python: str = sys.executable, module: str | None = None):
@@ -43,6 +53,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # Ctrl-C in a terminal reaches the launcher only; it drains children itself
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         threading.Thread(target=self._pump, name=f"{self.service}-log", daemon=True).start()
         return self
