@@ -1,0 +1,90 @@
+"""Incremental detokenisation with stop strings.
+
+Text is emitted only once it is final: a token that ends inside a multi-byte
+UTF-8 character (decoded as U+FFFD) is held until the character completes, and
+a tail that could be the start of a stop string is held until it is known not
+to be one, so a stop string never reaches the client. Decoding works on a
+sliding window of tokens (the vLLM scheme), not on the whole output each step.
+"""
+
+from __future__ import annotations
+
+# Prompt tokens used as left context, so the first output token decodes as it would mid-text.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool = True,
+                 stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""  # all final text produced so far (including any held tail)
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; returns the text that became final (may be "")."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        if self.stop:
+            # Search only where a new match can start: from the emitted point back by the longest stop.
+            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+            hits = [(self.text.find(s, start), s) for s in self.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos = min(p for p, _ in hits)
+                self.text = self.text[:pos]
+                self.stopped = True
+                return self._flush()
+            hold = self._partial_stop_suffix()
+        else:
+            hold = 0
+        end = len(self.text) - hold
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _flush(self) -> str:
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+    def finish(self) -> str:
+        """The request ended (EOS, length): release any held tail, including an incomplete character."""
+        if self.stopped:
+            return ""
+        tail = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        if len(tail) > len(prefix_text):
+            self.text += tail[len(prefix_text):]
+            self.prefix_offset = self.read_offset = len(self.ids)
+        return self._flush()
