@@ -1,0 +1,53 @@
+"""3-D M-RoPE positions (Qwen2-VL / Qwen2.5-VL) for a prompt with image placeholders.
+
+Text tokens advance one position on all three axes. An image's placeholder run
+(``t * h/merge * w/merge`` tokens) takes (temporal, height, width) grid
+positions offset by the position where it starts; text after it resumes at
+start + max(h, w) / merge. Generated tokens continue at ``index + delta`` on
+every axis, delta = (max prompt position + 1) - prompt length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from modalmesh.errors import InvalidArgument
+
+
+def vision_positions(start: int, grid_thw: Sequence[int], spatial_merge: int) -> torch.Tensor:
+    t, h, w = grid_thw[0], grid_thw[1] // spatial_merge, grid_thw[2] // spatial_merge
+    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([tt, hh, ww]).reshape(3, -1) + start
+
+
+def mrope_positions(
+    num_tokens: int,
+    spans: Sequence[tuple[int, Sequence[int]]],
+    spatial_merge: int,
+) -> tuple[torch.Tensor, int]:
+    """Positions (3, num_tokens) and the decode delta.
+
+    spans: (first placeholder index, grid_thw) of each image, in prompt order; an
+    image covers t*(h/merge)*(w/merge) consecutive tokens. Audio and text tokens
+    take ordinary 1-D positions (all three axes equal).
+    """
+    pieces: list[torch.Tensor] = []
+    cursor = 0  # token index
+    pos = 0  # next text position
+    for start, grid in spans:
+        length = grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge)
+        if start < cursor or start + length > num_tokens:
+            raise InvalidArgument(f"image placeholders at [{start}, {start + length}) overlap or exceed the prompt")
+        if start > cursor:
+            pieces.append(torch.arange(start - cursor).expand(3, -1) + pos)
+            pos += start - cursor
+        pieces.append(vision_positions(pos, grid, spatial_merge))
+        pos += max(grid[1], grid[2]) // spatial_merge
+        cursor = start + length
+    if cursor < num_tokens:
+        pieces.append(torch.arange(num_tokens - cursor).expand(3, -1) + pos)
+    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
+    delta = (int(positions.max()) + 1 - num_tokens) if num_tokens else 0
+    return positions, delta
