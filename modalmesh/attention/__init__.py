@@ -15,16 +15,8 @@ from modalmesh.attention.paged import store_kv
 from modalmesh.attention.platform import Platform, detect_platform
 from modalmesh.attention.registry import register
 from modalmesh.attention.report import attention_choice, attention_choices
-from modalmesh.attention.selector import (
-    ENV_VAR,
-    AttentionSelector,
-    BackendOverrides,
-    Selection,
-    configure,
-    current_selector,
-    parse_backend_spec,
-    select_backend,
-)
+from modalmesh.attention.overrides import ENV_VAR, BackendOverrides, parse_backend_spec
+from modalmesh.attention.selector import AttentionSelector, Selection, configure, current_selector, select_backend
 
 __all__ = [
     "ENV_VAR",

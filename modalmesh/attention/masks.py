@@ -56,9 +56,8 @@ def dense_mask(s_q: int, s_k: int, causal: bool, window: Window, device: torch.d
 
 
 def varlen_strategy(meta) -> str:
-    forced = meta._cache.get("strategy")
-    if forced is not None:
-        return forced
+    if meta.sdpa_strategy is not None:
+        return meta.sdpa_strategy
     total = meta.total_tokens
     return "block_diag" if total * total <= meta.batch_size * meta.max_seqlen**2 else "padded"
 

@@ -29,18 +29,27 @@ class VarlenMetadata:
     cu_seqlens: torch.Tensor  # int32 (B + 1,): sequence b is tokens cu[b]:cu[b+1]
     max_seqlen: int
     seqlens: tuple[int, ...]  # host copy of the lengths
+    # How mask-based kernels (SDPA) lay the batch out: "block_diag", "padded", or None to pick
+    # the smaller mask (see masks.py). Native varlen kernels ignore it.
+    sdpa_strategy: str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        if self.sdpa_strategy not in (None, "block_diag", "padded"):
+            raise ValueError(f"sdpa_strategy must be None, 'block_diag' or 'padded', not {self.sdpa_strategy!r}")
+
     @classmethod
-    def from_seqlens(cls, seqlens: Sequence[int], device: torch.device | str = "cpu") -> VarlenMetadata:
+    def from_seqlens(
+        cls, seqlens: Sequence[int], device: torch.device | str = "cpu", *, sdpa_strategy: str | None = None
+    ) -> VarlenMetadata:
         seqlens = tuple(int(n) for n in seqlens)
         if not seqlens or min(seqlens) < 0:
             raise ValueError(f"seqlens must be a non-empty list of lengths >= 0, got {seqlens!r}")
         cu = torch.tensor([0, *accumulate(seqlens)], dtype=torch.int32, device=device)
-        return cls(cu, max(seqlens), seqlens)
+        return cls(cu, max(seqlens), seqlens, sdpa_strategy)
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor) -> VarlenMetadata:
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, *, sdpa_strategy: str | None = None) -> VarlenMetadata:
         """From a cumulative-lengths tensor (one host copy: do it once per forward, not per layer)."""
         host = [int(x) for x in cu_seqlens.tolist()]
         if len(host) < 2 or host[0] != 0:
@@ -48,7 +57,7 @@ class VarlenMetadata:
         seqlens = tuple(b - a for a, b in zip(host, host[1:]))
         if min(seqlens) < 0:
             raise ValueError("cu_seqlens must be non-decreasing")
-        return cls(cu_seqlens.to(torch.int32), max(seqlens), seqlens)
+        return cls(cu_seqlens.to(torch.int32), max(seqlens), seqlens, sdpa_strategy)
 
     @property
     def batch_size(self) -> int:
@@ -180,12 +189,6 @@ class PagedMetadata:
         return self.cached(
             "cu_seqlens_k",
             lambda: torch.tensor([0, *accumulate(self.context_lens_host)], dtype=torch.int32, device=self.device),
-        )
-
-    def as_varlen(self) -> VarlenMetadata:
-        """The new tokens as a packed batch (queries' shape, whatever the prefix)."""
-        return self.cached(
-            "as_varlen", lambda: VarlenMetadata(self.cu_seqlens_q, self.max_seqlen_q, self.query_lens)
         )
 
 
