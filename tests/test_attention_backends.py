@@ -41,8 +41,9 @@ class Case:
     page_size: int = 4
 
     def needs(self, dtype) -> Needs:
+        offset = self.layout == "dense" and self.causal and (self.s_k or self.s_q) != self.s_q
         return Needs(dtype, self.head_dim, self.v_head_dim, (self.layout,), self.causal, self.window,
-                     self.kv_heads != self.heads, self.page_size if self.layout == "paged" else None)
+                     self.kv_heads != self.heads, self.page_size if self.layout == "paged" else None, offset)
 
 
 CASES = [

@@ -20,7 +20,10 @@ VARLEN = "varlen"  # packed (T, H, D) + cu_seqlens
 PAGED = "paged"  # attention over a paged KV pool
 GQA = "gqa"  # fewer kv heads than q heads
 V_HEAD_DIM = "v_head_dim"  # value head dim different from the q/k head dim
-ALL_FEATURES = frozenset({CAUSAL, WINDOW, VARLEN, PAGED, GQA, V_HEAD_DIM})
+# Dense causal with S_q < S_k: queries are the last S_q positions (bottom-right). SDPA's
+# is_causal is top-left, so kernels that take no mask cannot do it.
+CAUSAL_OFFSET = "causal_offset"
+ALL_FEATURES = frozenset({CAUSAL, WINDOW, VARLEN, PAGED, GQA, V_HEAD_DIM, CAUSAL_OFFSET})
 
 LAYOUTS = ("dense", "varlen", "paged")
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -102,6 +105,7 @@ class Needs:
     window: tuple[int, int] | None = None  # (left, right), -1 = unbounded; None = no window
     gqa: bool = False
     page_size: int | None = None  # paged: tokens per page, when known
+    causal_offset: bool = False  # a dense causal call with S_q != S_k (known per call only)
 
     def __post_init__(self):
         bad = [layout for layout in self.layouts if layout not in LAYOUTS]
@@ -115,6 +119,8 @@ class Needs:
         wanted = set()
         if self.causal:
             wanted.add(CAUSAL)
+        if self.causal_offset:
+            wanted.add(CAUSAL_OFFSET)
         if self.window is not None:
             wanted.add(WINDOW)
         if self.gqa:

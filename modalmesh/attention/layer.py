@@ -103,7 +103,8 @@ class Attention(nn.Module):
             positions = torch.arange(q.shape[1], device=q.device) if layout == "dense" else meta.positions
             q, k = self.rotary(q, k, positions)
         page_size = kv_cache[0].shape[1] if layout == "paged" else None
-        route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size)
+        offset = layout == "dense" and self.causal and q.shape[1] != k.shape[1]
+        route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size, offset)
         if route.rerouted_from is not None:
             self.selector.count_reroute(self.selection, route)
         if layout == "paged":

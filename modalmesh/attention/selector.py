@@ -246,17 +246,19 @@ class AttentionSelector:
 
     # ---- per call ---------------------------------------------------------------------------
     def route(self, selection: Selection, layout: str, dtype: torch.dtype, device: torch.device,
-              page_size: int | None = None) -> Route:
+              page_size: int | None = None, causal_offset: bool = False) -> Route:
         """The backend for one call; cached, so the steady state is one dict lookup."""
-        key = (id(selection), layout, dtype, device.type, page_size)
+        key = (id(selection), layout, dtype, device.type, page_size, causal_offset)
         route = self._routes.get(key)
         if route is None:
             with self._lock:
-                route = self._routes.setdefault(key, self._route(selection, layout, dtype, device, page_size))
+                route = self._routes.get(key) or self._route(selection, layout, dtype, device, page_size,
+                                                             causal_offset)
+                self._routes[key] = route
         return route
 
-    def _route(self, selection, layout, dtype, device, page_size) -> Route:
-        needs = dataclasses.replace(selection.needs, layouts=(layout,), dtype=dtype,
+    def _route(self, selection, layout, dtype, device, page_size, causal_offset) -> Route:
+        needs = dataclasses.replace(selection.needs, layouts=(layout,), dtype=dtype, causal_offset=causal_offset,
                                     page_size=page_size or selection.needs.page_size)
         platform = self.platform if device.type == self.platform.torch_device_type else detect_platform(device)
         chosen = registry.probe(selection.backend)
@@ -271,6 +273,8 @@ class AttentionSelector:
             reason = f"layout {layout}"
         elif page_size is not None and page_size != selection.needs.page_size:
             reason = f"page size {page_size}"
+        elif causal_offset:
+            reason = "causal offset"
         elif platform != self.platform:
             reason = f"device {device.type}"
         else:

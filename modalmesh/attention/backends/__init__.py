@@ -14,6 +14,7 @@ import torch
 from modalmesh.attention.capability import (
     ALL_FEATURES,
     CAUSAL,
+    CAUSAL_OFFSET,
     FLOAT_DTYPES,
     GQA,
     HALF_DTYPES,
@@ -28,9 +29,9 @@ from modalmesh.attention.registry import register
 
 _HERE = "modalmesh.attention.backends"
 F32_AND_HALF = HALF_DTYPES | {torch.float32}
-MASKED = frozenset({CAUSAL, WINDOW, VARLEN, PAGED, GQA, V_HEAD_DIM})  # a mask-taking kernel does all of these
+MASKED = ALL_FEATURES  # a mask-taking kernel does all of these
 UNMASKED = frozenset({CAUSAL, GQA})  # is_causal only: no windows, no packed/paged batches
-FLASH = frozenset({CAUSAL, WINDOW, VARLEN, PAGED, GQA})  # native varlen/paged kernels, q/k/v of one head dim
+FLASH = frozenset({CAUSAL, CAUSAL_OFFSET, WINDOW, VARLEN, PAGED, GQA})  # native varlen/paged, one head dim
 
 
 def _everywhere(dtypes, features) -> tuple[Target, ...]:
