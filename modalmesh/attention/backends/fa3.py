@@ -29,7 +29,7 @@ class FlashAttn3(AttentionBackend):
             try:
                 module = importlib.import_module(module_name)
                 self._dense, self._varlen = module.flash_attn_func, module.flash_attn_varlen_func
-            except Exception as exc:  # noqa: BLE001 - any failure means "try the next module"
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure means "try the next module"
                 errors.append(f"{module_name}: {type(exc).__name__}: {str(exc).strip()[:200]}")
                 continue
             self._kvcache = getattr(module, "flash_attn_with_kvcache", None)
