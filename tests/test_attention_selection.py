@@ -311,3 +311,26 @@ def test_unused_component_overrides_are_reported():
                                  metrics=Metrics("t", CollectorRegistry()))
     selector.select("llm", FP32_HD64)
     assert selector.unused_overrides() == ["visoin_encoder"]
+
+
+# ---- the process's selector ---------------------------------------------------------------------
+def test_configure_installs_the_selector_layers_use_by_default(monkeypatch):
+    import modalmesh.attention.selector as selector_module
+    from modalmesh.attention import configure, current_selector
+
+    monkeypatch.setattr(selector_module, "_CURRENT", None)
+    with pytest.raises(ConfigError, match="unknown backend 'sdpa'"):
+        configure("sdpa", platform=CPU)
+    selector = configure("vae=sdpa-math", platform=CPU, metrics=Metrics("vae", CollectorRegistry()))
+    assert current_selector() is selector
+    assert Attention(1, 32, component="vae", dtype=torch.float32).backend_name == "sdpa_math"
+
+
+def test_layers_built_on_the_meta_device_select_and_smoke_test_normally():
+    from modalmesh.attention import detect_platform
+
+    selector = AttentionSelector("", platform=detect_platform("cpu"), metrics=Metrics("t", CollectorRegistry()))
+    with torch.device("meta"):  # how models are built before weights load
+        attn = Attention(4, 32, num_kv_heads=2, causal=True, window=[8, 0], layouts=["varlen", "paged"],
+                         dtype=torch.float32, selector=selector)
+    assert attn.backend_name == "sdpa_flash" and attn.needs.window == (8, 0)

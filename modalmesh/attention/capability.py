@@ -59,13 +59,6 @@ class Target:
             return f"needs arch {'/'.join(p + '*' for p in self.arch_prefixes)}"
         return None
 
-    def describe(self) -> str:
-        lo = _cc(self.min_capability) if self.min_capability else ""
-        hi = _cc(self.max_capability) if self.max_capability else ""
-        span = f" {lo}..{hi}" if lo or hi else ""
-        arch = f" {'/'.join(self.arch_prefixes)}" if self.arch_prefixes else ""
-        return f"{self.kind}{span}{arch}"
-
 
 def _cc(cap: tuple[int, int]) -> str:
     return f"sm{cap[0]}{cap[1]}"
@@ -108,6 +101,10 @@ class Needs:
     causal_offset: bool = False  # a dense causal call with S_q != S_k (known per call only)
 
     def __post_init__(self):
+        # Needs are dict keys: keep every field hashable whatever sequence type the caller used.
+        object.__setattr__(self, "layouts", tuple(self.layouts))
+        if self.window is not None:
+            object.__setattr__(self, "window", tuple(self.window))
         bad = [layout for layout in self.layouts if layout not in LAYOUTS]
         if bad or not self.layouts:
             raise ValueError(f"layouts {self.layouts!r}: each must be one of {LAYOUTS}")

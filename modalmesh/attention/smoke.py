@@ -43,7 +43,8 @@ def _run(backend, needs: Needs, layout: str, device, dtype):
     kw = dict(causal=needs.causal, scale=needs.head_dim**-0.5, window=needs.window)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        # Explicit device: models are often built under `with torch.device("meta")`.
+        return torch.randn(*shape, generator=gen, device="cpu").to(device=device, dtype=dtype)
 
     ref = NaiveBackend(backend.spec)
     if layout == "dense":

@@ -26,8 +26,8 @@ from modalmesh.attention.paged import gather_pages
 @lru_cache(maxsize=None)
 def sdpa_has_enable_gqa() -> bool:
     """torch >= 2.5 takes enable_gqa; older versions need the kv heads repeated."""
-    q = torch.zeros(1, 2, 1, 8)
-    kv = torch.zeros(1, 1, 1, 8)
+    q = torch.zeros(1, 2, 1, 8, device="cpu")
+    kv = torch.zeros(1, 1, 1, 8, device="cpu")
     try:
         F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
     except TypeError:
