@@ -185,6 +185,7 @@ def test_importing_and_building_with_broken_kernels_installed(tmp_path):
         import sys, torch
         import modalmesh.attention as attention
         assert not any(m.startswith(("flash_attn", "fa3")) for m in sys.modules), "a kernel was imported eagerly"
+        attention.configure(None, device="cpu")  # as a service started with --device cpu does
         attn = attention.Attention(4, 64, component="llm", causal=True, dtype=torch.float32)
         q = torch.randn(1, 5, 4, 64)
         print(attn.backend_name, attn(q, q, q).shape[1], attention.registry.probe("fa2").reason)
