@@ -99,7 +99,8 @@ def test_paged_prefill_then_decode_matches_full_causal_attention():
 
 
 def test_empty_packed_batch():
-    attn = Attention(2, 4, layouts=("varlen",), dtype=torch.float32, selector=cpu_selector())
+    attn = Attention(2, 4, component="vision_encoder", layouts=("varlen",), dtype=torch.float32,
+                     selector=cpu_selector())
     out = attn(rand(0, 2, 4), rand(0, 2, 4), rand(0, 2, 4), VarlenMetadata.from_seqlens([0]))
     assert out.shape == (0, 2, 4)
 
@@ -113,15 +114,16 @@ def test_rotary_hook_sees_positions_and_its_output_is_used():
         return q * scale, k * scale
 
     selector = cpu_selector()
-    dense = Attention(2, 4, causal=True, rotary=rotary, dtype=torch.float32, selector=selector)
+    kw = dict(rotary=rotary, dtype=torch.float32, selector=selector)
+    dense = Attention(2, 4, component="audio_encoder", causal=True, **kw)
     q, k, v = rand(1, 3, 2, 4), rand(1, 3, 2, 4), rand(1, 3, 2, 4)
     out = dense(q, k, v)
     s = torch.tensor([1.0, 1.1, 1.2]).view(1, 3, 1, 1)
     torch.testing.assert_close(out, reference_attention(q * s, k * s, v, causal=True, scale=0.5, window=None),
                                **FP32)
-    packed = Attention(2, 4, rotary=rotary, layouts=("varlen",), dtype=torch.float32, selector=selector)
+    packed = Attention(2, 4, component="vision_encoder", layouts=("varlen",), **kw)
     packed(rand(5, 2, 4), rand(5, 2, 4), rand(5, 2, 4), VarlenMetadata.from_seqlens([2, 3]))
-    paged = Attention(2, 4, causal=True, rotary=rotary, layouts=("paged",), dtype=torch.float32, selector=selector)
+    paged = Attention(2, 4, component="llm", causal=True, layouts=("paged",), **kw)
     meta = PagedMetadata.build([2, 1], [5, 3], torch.tensor([[0, 1], [2, 3]]), 4)
     paged(rand(3, 2, 4), rand(3, 2, 4), rand(3, 2, 4), meta, kv_cache=(torch.zeros(4, 4, 2, 4),) * 2)
     assert seen == [[0, 1, 2], [0, 1, 0, 1, 2], [3, 4, 2]]
@@ -135,7 +137,8 @@ def test_rotary_hook_sees_positions_and_its_output_is_used():
      "needs kv_cache"),
 ])
 def test_shape_errors(call, message):
-    attn = Attention(2, 8, layouts=("dense", "varlen", "paged"), dtype=torch.float32, selector=cpu_selector())
+    attn = Attention(2, 8, component="llm", layouts=("dense", "varlen", "paged"), dtype=torch.float32,
+                     selector=cpu_selector())
     with pytest.raises(ValueError, match=message):
         call(attn)
 

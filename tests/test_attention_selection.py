@@ -331,6 +331,6 @@ def test_layers_built_on_the_meta_device_select_and_smoke_test_normally():
 
     selector = AttentionSelector("", platform=detect_platform("cpu"), metrics=Metrics("t", CollectorRegistry()))
     with torch.device("meta"):  # how models are built before weights load
-        attn = Attention(4, 32, num_kv_heads=2, causal=True, window=[8, 0], layouts=["varlen", "paged"],
-                         dtype=torch.float32, selector=selector)
+        attn = Attention(4, 32, component="llm", num_kv_heads=2, causal=True, window=[8, 0],
+                         layouts=["varlen", "paged"], dtype=torch.float32, selector=selector)
     assert attn.backend_name == "sdpa_flash" and attn.needs.window == (8, 0)

@@ -41,7 +41,7 @@ class Attention(nn.Module):
         *,
         num_kv_heads: int | None = None,
         v_head_dim: int | None = None,
-        component: str = "llm",
+        component: str,
         causal: bool = False,
         window: tuple[int, int] | None = None,
         scale: float | None = None,
@@ -97,7 +97,11 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         meta = meta if meta is not None else current_metadata()
-        layout = "paged" if isinstance(meta, PagedMetadata) else "varlen" if isinstance(meta, VarlenMetadata) else "dense"
+        layout = "dense"
+        if isinstance(meta, PagedMetadata):
+            layout = "paged"
+        elif isinstance(meta, VarlenMetadata):
+            layout = "varlen"
         tokens = self._check(layout, q, k, v, meta, kv_cache)
         if self.rotary is not None:
             positions = torch.arange(q.shape[1], device=q.device) if layout == "dense" else meta.positions

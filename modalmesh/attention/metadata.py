@@ -125,7 +125,8 @@ class PagedMetadata:
         if any(q < 0 or q > c for q, c in zip(query_lens, context_lens)):
             raise ValueError(f"each query_len must be in 0..context_len: {query_lens} vs {context_lens}")
         if block_table.dim() != 2 or block_table.shape[0] != len(query_lens):
-            raise ValueError(f"block_table must be (batch={len(query_lens)}, max_pages), got {tuple(block_table.shape)}")
+            raise ValueError(
+                f"block_table must be (batch={len(query_lens)}, max_pages), got {tuple(block_table.shape)}")
         need = max(-(-c // page_size) for c in context_lens)
         if need > block_table.shape[1]:
             raise ValueError(f"block_table holds {block_table.shape[1]} pages per sequence; {need} are needed")

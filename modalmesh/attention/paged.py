@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, v_head_dim: int) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
+                v_head_dim: int) -> None:
     if k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
             "k_cache/v_cache must be (num_pages, page_size, num_kv_heads, head_dim), "
