@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import modalmesh
+from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
@@ -131,6 +132,8 @@ class Service:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device, self.auto_dtype)
         self.model_id = args.model_id or (self.model_dir.name if self.model_dir else "")
+        # Before any model is built: a bad or unrunnable override fails start-up here.
+        self.attention = attention.configure(args.attention_backend, device=self.device, metrics=metrics)
         self.weights_fingerprint = ""
         self.ready = False
 
@@ -161,6 +164,7 @@ class Service:
             modality=self.modality,
             weights_fingerprint=self.weights_fingerprint,
             ready=self.ready,
+            attention=attention.attention_choices(self.attention),
         )
 
     async def _startup(self) -> None:

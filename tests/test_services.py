@@ -170,3 +170,12 @@ def test_env_flag_starts_a_service_and_cli_probe_reports_serving():
         assert proc.terminate(timeout=30) == 0
     probe = _run_main(["modalmesh.cli", "health", "--target", proc.target, "--timeout", "2"])
     assert probe.returncode == 1
+
+
+def test_unrunnable_attention_override_fails_start_up_with_alternatives():
+    result = _run_main(["services.vision_encoder", "--attention-backend", "vision_encoder=fa3", "--device", "cpu",
+                        "--port", "0", "--metrics-port", "-1"])
+    assert result.returncode == 2
+    assert "fa3 (for vision_encoder) cannot run on cpu" in result.stderr and "Usable here:" in result.stderr
+    result = _run_main(["services.llm", "--attention-backend", "llm=warp_drive", "--port", "0", "--metrics-port", "-1"])
+    assert result.returncode == 2 and "warp_drive" in result.stderr

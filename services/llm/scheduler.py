@@ -1,0 +1,182 @@
+"""Continuous-batching scheduler: pure Python over the KV page allocator.
+
+Every step spends a token budget. Running sequences go first, oldest first:
+one token each when decoding, the next chunk of their prompt when a long
+prefill is still in progress. Waiting sequences then join, first come first
+served, while budget, sequence slots and KV pages last. A sequence that needs
+a page when none is free preempts the youngest running sequence (its pages are
+freed and it is recomputed later, ahead of the queue); nothing is corrupted,
+nothing crashes. Chunked prefill falls out of the budget: a prompt longer than
+what is left this step continues next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from modalmesh.kv.allocator import PageAllocator
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: Hashable
+    prompt_ids: list[int]
+    max_tokens: int
+    payload: Any = None  # the engine's per-request state
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens [start, start + length) of `seq` run this step; `sample` if they reach its last token."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.length == self.seq.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < len(self.seq.prompt_ids) or self.length > 1
+
+
+@dataclass
+class Step:
+    chunks: list[Chunk]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, *, max_num_seqs: int = 256, max_batch_tokens: int = 8192,
+                 max_prefill_chunk: int | None = None):
+        if max_num_seqs <= 0 or max_batch_tokens <= 0:
+            raise ValueError("max_num_seqs and max_batch_tokens must be positive")
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- queue ---------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        budget = self.max_batch_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget, self.max_prefill_chunk)
+            while not self._reserve(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: it was the youngest, nothing after it
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+            i += 1
+        # Newcomers only when nobody had to make room this step (no thrashing).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget, self.max_prefill_chunk)
+            if not self._reserve(seq, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return Step(chunks, preempted)
+
+    def _reserve(self, seq: Sequence, total_tokens: int) -> bool:
+        """Make the allocator hold at least `total_tokens` slots for seq."""
+        if seq.seq_id not in self.allocator:
+            return self.allocator.allocate(seq.seq_id, total_tokens)
+        more = total_tokens - self.allocator.num_tokens(seq.seq_id)
+        return more <= 0 or self.allocator.extend(seq.seq_id, more)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def complete(self, step: Step, sampled: dict[Hashable, int]) -> None:
+        """Record what a step computed: the chunks' K/V are cached; sampled tokens are appended."""
+        for chunk in step.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished or aborted while the step ran
+            seq.num_computed = chunk.start + chunk.length
+            token = sampled.get(seq.seq_id)
+            if chunk.sample and token is not None:
+                seq.output_ids.append(token)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (stop, length, abort): its pages go back to the pool now."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        if seq.seq_id in self.allocator:
+            self.allocator.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
