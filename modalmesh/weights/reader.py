@@ -281,7 +281,10 @@ class CheckpointReader:
         with self._safe_open(path) as f:
             return self._read(f, path, name)
 
+    __getitem__ = get_tensor
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs, like a state dict's items(); dict(reader) also works."""
         return self.iter_tensors()
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
