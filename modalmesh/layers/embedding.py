@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"shard id {shard_id!r} given for a vocabulary-parallel parameter")
         n = self.vocab_end - self.vocab_start
         copy_into(param.narrow(0, 0, n),
-                  narrow_checked(loaded, 0, self.num_embeddings, self.vocab_start, n, "vocab-parallel"))
+                  narrow_checked(loaded, 0, self.num_embeddings, self.vocab_start, n, "vocab-parallel", param))
         with torch.no_grad():
             param.narrow(0, n, param.shape[0] - n).zero_()
 

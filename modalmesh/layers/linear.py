@@ -93,7 +93,7 @@ class ColumnParallelLinear(LinearBase):
 
     def _load_rows(self, param, loaded, *, dst_start: int, src_full: int, src_start: int, size: int, what: str):
         """Copy rows [src_start, src_start+size) of a checkpoint tensor with `src_full` rows into param rows at dst_start."""
-        src = narrow_checked(loaded, 0, src_full, src_start, size, what)
+        src = narrow_checked(loaded, 0, src_full, src_start, size, what, param)
         copy_into(param.narrow(0, dst_start, size), src)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -237,7 +237,7 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, loaded, shard_id)
             return
         n = self.input_size_per_rank
-        copy_into(param, narrow_checked(loaded, 1, self.input_size, self.tp_rank * n, n, "row-parallel"))
+        copy_into(param, narrow_checked(loaded, 1, self.input_size, self.tp_rank * n, n, "row-parallel", param))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

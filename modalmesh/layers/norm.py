@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modalmesh.weights.param import default_weight_loader, set_weight_loader
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None):
@@ -19,6 +21,7 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -43,8 +46,10 @@ class LayerNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype), requires_grad=False)
+            set_weight_loader(self.bias, default_weight_loader)
         else:
             self.register_parameter("bias", None)
 

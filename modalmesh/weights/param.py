@@ -53,11 +53,20 @@ def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader, shard_ids
         param.shard_ids = tuple(shard_ids)
 
 
-def narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int, what: str) -> torch.Tensor:
-    """`loaded`'s rank slice along `dim`, after checking that `loaded` is the full (unsharded) tensor."""
+def narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int, what: str,
+                   param: torch.Tensor | None = None) -> torch.Tensor:
+    """`loaded`'s rank slice along `dim`, after checking that `loaded` is the full (unsharded) tensor
+    and, given `param`, that its other dims match the parameter's."""
     if loaded.dim() <= dim or loaded.shape[dim] != full:
         raise WeightMismatchError(
             f"{what}: checkpoint shape {list(loaded.shape)} should have {full} along dim {dim} "
             "(the unsharded size)"
         )
+    if param is not None:
+        other = [n for i, n in enumerate(loaded.shape) if i != dim]
+        if loaded.dim() != param.dim() or other != [n for i, n in enumerate(param.shape) if i != dim]:
+            raise WeightMismatchError(
+                f"{what}: checkpoint shape {list(loaded.shape)} does not fit parameter shape {list(param.shape)} "
+                f"(sharded along dim {dim})"
+            )
     return loaded.narrow(dim, start, size)
