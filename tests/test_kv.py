@@ -9,7 +9,16 @@ import torch
 
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, InvalidArgument
-from modalmesh.kv import KVLayout, KVPlan, KVPool, LayerKV, PageAllocator, free_device_memory, plan_kv_pool
+from modalmesh.kv import (
+    KVLayout,
+    KVPlan,
+    KVPool,
+    LayerKV,
+    PageAllocator,
+    build_kv_pool,
+    free_device_memory,
+    plan_kv_pool,
+)
 from modalmesh.metrics import Metrics
 
 CFG = dict(model_type="llama", hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
@@ -216,3 +225,19 @@ def test_usage_gauges_track_exactly():
     assert _gauge(metrics, "used_tokens") == 6 and _gauge(metrics, "usage_ratio") == 6 / 32
     pool.free("a")
     assert _gauge(metrics, "used_tokens") == 0 and pool.allocator.num_free_pages == 8
+
+
+def test_build_kv_pool_from_a_config(monkeypatch):
+    cfg = ModelConfig.from_hf(CFG)
+    metrics = Metrics("t", process_metrics=False)
+    pool = build_kv_pool(cfg, "cpu", kv_cache_tokens=300, dtype=torch.float16, metrics=metrics)
+    assert pool.plan.capacity_tokens == 304 and pool.k_caches[0].shape == (19, 16, 4, 8)
+    assert pool.k_caches[0].dtype == torch.float16 and len(pool.k_caches) == 3
+    assert _gauge(metrics, "capacity_tokens") == 304
+    with pytest.raises(ConfigError, match="one max-length request needs 256"):
+        build_kv_pool(cfg, "cpu", kv_cache_tokens=200, metrics=metrics)
+    # Sized from measured free memory: 1 MiB * 0.5 at 768 bytes/token (fp32) -> 682 tokens -> 42 pages.
+    monkeypatch.setattr("modalmesh.kv.pool.free_device_memory", lambda device: 1 << 20)
+    pool = build_kv_pool(cfg, "cpu", mem_fraction=0.5, metrics=metrics)
+    assert pool.layout.bytes_per_token == 768 and pool.plan.num_pages == 42
+    assert pool.nbytes <= (1 << 19)

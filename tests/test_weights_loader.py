@@ -35,6 +35,7 @@ from modalmesh.weights import (
     UnexpectedWeightsError,
     WeightMismatchError,
     WeightsMapper,
+    load_checkpoint,
     load_dummy_weights,
     load_weights,
     materialize,
@@ -377,3 +378,22 @@ def test_materialize_keeps_loaders_ties_and_computes_meta_buffers():
         bad.register_buffer("mask", torch.empty(3), persistent=False)
     with pytest.raises(ConfigError, match="reset_buffers"):
         materialize(bad, "cpu")
+
+
+def test_progress_bar_on_request_and_load_checkpoint(tmp_path, capsys):
+    ref = save_tiny_llama(tmp_path)
+    capsys.readouterr()
+    model, _ = build_llama(tmp_path)
+    load_weights(model, CheckpointReader(tmp_path), stacked=QKV_GATE_UP, progress=True, metrics=False)
+    assert "loading weights" in capsys.readouterr().err
+    model, _ = build_llama(tmp_path)
+    load_weights(model, CheckpointReader(tmp_path), stacked=QKV_GATE_UP, progress=False, metrics=False)
+    assert "loading weights" not in capsys.readouterr().err
+
+    # The one call a service makes, real or --dummy-weights.
+    model, _ = build_llama(tmp_path)
+    report = load_checkpoint(model, tmp_path, stacked=QKV_GATE_UP, prefixes=("model.", "lm_head."), metrics=False)
+    assert not report.dummy
+    check_llama_matches(model, ref)
+    model, _ = build_llama(tmp_path)
+    assert load_checkpoint(model, tmp_path, dummy=True, metrics=False).dummy

@@ -224,3 +224,30 @@ class KVPool:
             self.metrics.kv_pool_info.remove(**self._info_labels)
         self.metrics.kv_pool_info.labels(**labels).set(1)
         self._info_labels = labels
+
+
+def build_kv_pool(
+    cfg: ModelConfig,
+    device: torch.device | str,
+    *,
+    max_model_len: int | None = None,
+    tp_size: int = 1,
+    dtype: torch.dtype | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_cache_tokens: int | None = None,
+    mem_fraction: float = 0.9,
+    metrics: metrics_mod.Metrics | None = None,
+) -> KVPool:
+    """The LLM service's pool: call after weights are loaded and warm-up ran, so free memory is what is left."""
+    layout = KVLayout.from_model_config(cfg, tp_size=tp_size, dtype=dtype)
+    max_model_len = max_model_len or cfg.max_position_embeddings
+    if not max_model_len:
+        raise ConfigError("KV pool: the config has no max_position_embeddings; pass --max-model-len")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # memory cached by warm-up is free for the pool
+    free = free_device_memory(device)
+    plan = plan_kv_pool(layout, max_model_len=max_model_len, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
+                        free_bytes=free, mem_fraction=mem_fraction)
+    return KVPool(layout, plan, device, metrics=metrics)

@@ -14,7 +14,7 @@ from modalmesh.weights.errors import (
     UnexpectedWeightsError,
     WeightMismatchError,
 )
-from modalmesh.weights.loader import LoadReport, load_dummy_weights, load_weights
+from modalmesh.weights.loader import LoadReport, load_checkpoint, load_dummy_weights, load_weights
 from modalmesh.weights.mapper import (
     IDENTITY,
     LEGACY_BUFFERS,
@@ -30,6 +30,6 @@ from modalmesh.weights.reader import CheckpointReader, TensorInfo
 __all__ = [
     "CheckpointError", "CheckpointReader", "IDENTITY", "LEGACY_BUFFERS", "LoadReport", "MissingWeightsError",
     "NO_STACKING", "QKV_GATE_UP", "StackedMapping", "TensorInfo", "UnexpectedWeightsError", "WeightMismatchError",
-    "WeightsMapper", "copy_into", "default_weight_loader", "init_dummy_weights", "load_dummy_weights",
+    "WeightsMapper", "copy_into", "default_weight_loader", "init_dummy_weights", "load_checkpoint", "load_dummy_weights",
     "load_weights", "materialize",
 ]

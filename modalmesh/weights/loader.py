@@ -258,3 +258,24 @@ def load_dummy_weights(
         report.export(metrics or None)
     log.info("%s", report.summary())
     return report
+
+
+def load_checkpoint(
+    model: nn.Module,
+    model_dir,
+    *,
+    mapper: WeightsMapper | None = None,
+    stacked: StackedMapping | None = None,
+    prefixes=None,
+    subfolder: str | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    dummy: bool = False,
+    strict: bool = True,
+    metrics: metrics_mod.Metrics | None | bool = None,
+) -> LoadReport:
+    """What a service's load() calls: the checkpoint's tensors (under `prefixes`), or dummy ones."""
+    if dummy:
+        return load_dummy_weights(model, device=device, dtype=dtype, metrics=metrics)
+    reader = CheckpointReader(model_dir, subfolder=subfolder, prefixes=prefixes)
+    return load_weights(model, reader, mapper, stacked, strict, device=device, dtype=dtype, metrics=metrics)
