@@ -21,6 +21,7 @@ from torch import nn
 
 from modalmesh import distributed
 from modalmesh.errors import ConfigError
+from modalmesh.weights.errors import WeightMismatchError
 from modalmesh.weights.param import copy_into, default_weight_loader, narrow_checked, set_weight_loader
 
 
@@ -98,7 +99,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is not None:
-            default_weight_loader(param, loaded, shard_id)  # raises: not a fused layer
+            raise WeightMismatchError(f"shard {shard_id!r} given for a column-parallel layer that is not fused")
         n = self.output_size_per_rank
         self._load_rows(param, loaded, dst_start=0, src_full=self.output_size, src_start=self.tp_rank * n,
                         size=n, what="column-parallel")
@@ -156,6 +157,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         v_head_size: int | None = None,
         **kw,
     ):
+        # The per-rank geometry decides the parameter shape, so it is computed before
+        # LinearBase.__init__ allocates (plain ints may be set before Module.__init__).
         tp_size = distributed.tp_size() if kw.get("tp_size") is None else kw["tp_size"]
         self.head_size = head_size
         self.v_head_size = v_head_size or head_size
