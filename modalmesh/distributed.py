@@ -1,0 +1,138 @@
+"""Tensor-parallel process group: one per service, never across services.
+
+A service that shards its model over N GPUs runs N ranks; `init_tp` joins the
+group (``nccl`` on CUDA, ``gloo`` on CPU) and the layers in `modalmesh.layers`
+read `tp_rank()` / `tp_size()` when they are built. Without `init_tp` the
+process is rank 0 of 1 and every collective is a no-op, so single-GPU code
+never touches torch.distributed.
+
+    def worker(rank, world_size, x):
+        ...  # build layers, load weights, run
+    launch(2, worker, x)          # two processes, gloo, joined and cleaned up
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    group: object | None  # a torch.distributed ProcessGroup; None when size == 1
+
+
+_SINGLE = TPGroup(rank=0, size=1, group=None)
+_tp: TPGroup = _SINGLE
+
+
+def tp_rank() -> int:
+    return _tp.rank
+
+
+def tp_size() -> int:
+    return _tp.size
+
+
+def tp_group() -> TPGroup:
+    return _tp
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def init_tp(
+    rank: int,
+    world_size: int,
+    *,
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout_s: float = 300.0,
+) -> TPGroup:
+    """Join the tensor-parallel group of this service (all ranks of the process group)."""
+    global _tp
+    if world_size == 1:
+        _tp = _SINGLE
+        return _tp
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    _tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)
+    return _tp
+
+
+def destroy_tp() -> None:
+    global _tp
+    if _tp.group is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _tp = _SINGLE
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group, in place; identity at TP=1."""
+    if _tp.size > 1:
+        dist.all_reduce(x, group=_tp.group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order; identity at TP=1."""
+    if _tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=_tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launched(rank: int, world_size: int, backend: str, port: int, fn: Callable, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # One thread per rank: N CPU ranks each using every core just thrash.
+    torch.set_num_threads(1)
+    init_tp(rank, world_size, backend=backend, timeout_s=120.0)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        destroy_tp()
+
+
+def launch(world_size: int, fn: Callable, *args, backend: str | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in `world_size` fresh processes sharing one TP group.
+
+    `fn` must be importable (module level) because ranks are spawned, not forked
+    (CUDA cannot be forked). Returns when every rank has finished; an exception
+    in any rank is re-raised here and the other ranks are terminated.
+    """
+    backend = backend or default_backend()
+    mp.start_processes(
+        _launched,
+        args=(world_size, backend, free_port(), fn, args),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )

@@ -1,0 +1,74 @@
+"""Feed-forward blocks built on the TP linears: one all-reduce per block.
+
+GatedMLP is SwiGLU (Llama, Qwen) or GeGLU by activation name: ``gate_up_proj``
+(column-parallel, gate|up fused) -> act(gate) * up -> ``down_proj``
+(row-parallel). MLP is the plain two-layer block (GPT-NeoX, ViTs); its module
+names are arguments so checkpoints load without renames.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modalmesh.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _gelu_new(x):  # GPT-2's tanh approximation, written out as in the reference
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_new,
+    "gelu_fast": _gelu_tanh,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r} (known: {', '.join(ACTIVATIONS)})") from None
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False, **tp):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, **tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "gelu", bias: bool = True, *,
+                 names: tuple[str, str] = ("fc1", "fc2"), **tp):
+        super().__init__()
+        self._names = names
+        setattr(self, names[0], ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp))
+        setattr(self, names[1], RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp))
+        self.act = get_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, down = (getattr(self, n) for n in self._names)
+        return down(self.act(up(x)))

@@ -1,0 +1,63 @@
+"""Normalisation layers with replicated parameters (same on every TP rank).
+
+RMSNorm follows the Llama/Qwen reference exactly: statistics in float32, the
+normalised activations cast back to the input dtype before the weight scales
+them. ``forward(x, residual)`` fuses the residual add that precedes every
+pre-norm in a decoder layer and returns the new residual as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modalmesh.weights.param import default_weight_loader, set_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+        set_weight_loader(self.weight, default_weight_loader)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype), requires_grad=False)
+            set_weight_loader(self.bias, default_weight_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps), x
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"
