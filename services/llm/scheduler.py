@@ -62,10 +62,11 @@ class Chunk:
     seq: Sequence
     start: int
     length: int
+    sample: bool  # fixed when scheduled: the sequence grows once the step completes
 
-    @property
-    def sample(self) -> bool:
-        return self.start + self.length == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, length: int) -> Chunk:
+        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
 
     @property
     def is_prefill(self) -> bool:
@@ -123,7 +124,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: it was the youngest, nothing after it
-            chunks.append(Chunk(seq, seq.num_computed, n))
+            chunks.append(Chunk.of(seq, n))
             budget -= n
             i += 1
         # Newcomers only when nobody had to make room this step (no thrashing).
@@ -135,7 +136,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk(seq, seq.num_computed, n))
+            chunks.append(Chunk.of(seq, n))
             budget -= n
         return Step(chunks, preempted)
 
