@@ -52,7 +52,8 @@ class Shape:
     def needs(self) -> Needs:
         return Needs(self.dtype, self.head_dim, layouts=(self.layout,), causal=self.causal,
                      gqa=(self.kv_heads or self.heads) != self.heads,
-                     page_size=self.page_size if self.layout == "paged" else None)
+                     page_size=self.page_size if self.layout == "paged" else None,
+                     seqlen_hint=self.seq if self.layout == "dense" else None)
 
     def flops(self) -> float:
         """Forward FLOPs (2 matmuls x 2 FLOP/MAC); causal counts the visible half."""
@@ -85,6 +86,7 @@ def shapes(quick: bool) -> list[Shape]:
         Shape("dense hd64 s1024 non-causal", "audio_encoder", "dense", 16, 64, batch=16, seq=1024),
         Shape("dense hd64 s1500 whisper", "audio_encoder", "dense", 20, 64, batch=16, seq=1500),
         Shape("dense fp32 hd512 s4096 vae", "vae", "dense", 1, 512, batch=1, seq=4096, dtype=torch.float32),
+        Shape("dense fp32 hd512 s16384 vae", "vae", "dense", 1, 512, batch=1, seq=16384, dtype=torch.float32),
         Shape("packed hd128 mixed lengths", "llm", "varlen", 16, 128, seqlens=mixed),
         Shape("packed hd80 8x1024 vision", "vision_encoder", "varlen", 16, 80, seqlens=vision),
         Shape("paged prefill hd128 gqa prefix", "llm", "paged", 32, 128, kv_heads=8, causal=True,

@@ -104,6 +104,18 @@ def test_hopper_with_fa3_follows_the_measured_ranking(with_fa3):
     assert select(HOPPER, PAGED).backend == "fa3"
 
 
+def test_hopper_ranking_depends_on_length_and_dtype(with_fa3):
+    # Whisper's 1500 frames: fa3 beat cuDNN at hd64 (475 vs 384 TFLOP/s); at 1024 cuDNN won.
+    whisper = select(HOPPER, Needs(torch.bfloat16, 64, seqlen_hint=1500), component="audio_encoder")
+    assert whisper.backend == "fa3" and "s1500" in whisper.reason
+    assert select(HOPPER, Needs(torch.bfloat16, 64, seqlen_hint=1024)).backend == "sdpa_cudnn"
+    # FP32 (VAE): math beat efficient at s4096; unknown or longer lengths keep the memory-lean kernel.
+    vae = select(HOPPER, Needs(torch.float32, 512, seqlen_hint=4096), component="vae")
+    assert vae.backend == "sdpa_math" and "fp32" in vae.reason
+    assert select(HOPPER, Needs(torch.float32, 512), component="vae").backend == "sdpa_efficient"
+    assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=16384), component="vae").backend == "sdpa_efficient"
+
+
 def test_hopper_without_fa3_records_why(with_fa2):
     choice = select(HOPPER, BF16_HD128)
     assert choice.backend == "sdpa_cudnn"

@@ -99,6 +99,8 @@ class Needs:
     gqa: bool = False
     page_size: int | None = None  # paged: tokens per page, when known
     causal_offset: bool = False  # a dense causal call with S_q != S_k (known per call only)
+    # Typical sequence length, when the component knows it (Whisper: 1500): ranking may depend on it.
+    seqlen_hint: int | None = None
 
     def __post_init__(self):
         # Needs are dict keys: keep every field hashable whatever sequence type the caller used.

@@ -52,6 +52,7 @@ class Attention(nn.Module):
         default_backend: str | None = None,
         supported_backends: Iterable[str] | None = None,
         selector: AttentionSelector | None = None,
+        seqlen_hint: int | None = None,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -74,6 +75,7 @@ class Attention(nn.Module):
             window=self.window,
             gqa=num_kv_heads != num_heads,
             page_size=page_size,
+            seqlen_hint=seqlen_hint,
         )
         self.selector = selector or current_selector()
         self.selection = self.selector.select(

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from modalmesh.attention import registry
 
 _H200_HD128 = "H200 bf16 hd128 s4096: fa3 710 TFLOP/s (causal 667) > sdpa_cudnn 668-677 (559) > sdpa_flash 355"
 _H200_HD64 = "H200 bf16 hd64 s1024: sdpa_cudnn 425 TFLOP/s > fa3 365 > sdpa_flash 278"
+_H200_HD64_LONG = "H200 bf16 hd64 s1500 (Whisper): fa3 475 TFLOP/s > sdpa_cudnn 384 > sdpa_flash 276"
+_H200_FP32 = "H200 fp32 hd512 s4096 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0"
 _H200_VARLEN = "H200 bf16 packed hd128: fa3 633 TFLOP/s > torch_varlen 317"
 _PAGED = "unmeasured: native paged-KV kernels first, SDPA gathers pages"
 _FP32 = ("sdpa_efficient", "sdpa_math")  # what FP32 falls to on GPUs
@@ -40,9 +44,21 @@ class RankRule:
     max_capability: tuple[int, int] | None = None
     arch_prefixes: tuple[str, ...] = ()
     max_head_dim: int | None = None  # applies to head dims <= this
+    dtypes: tuple[torch.dtype, ...] = ()  # empty: any
+    # Sequence-length bounds need the component's seqlen hint; without one such a rule does not match.
+    min_seqlen: int | None = None
+    max_seqlen: int | None = None
 
-    def matches(self, platform, layout: str, head_dim: int) -> bool:
+    def matches(self, platform, layout: str, head_dim: int, dtype: torch.dtype | None = None,
+                seqlen: int | None = None) -> bool:
         cap = platform.capability
+        if self.dtypes and dtype not in self.dtypes:
+            return False
+        if (self.min_seqlen is not None or self.max_seqlen is not None) and seqlen is None:
+            return False
+        if (self.min_seqlen is not None and seqlen < self.min_seqlen) or (
+                self.max_seqlen is not None and seqlen > self.max_seqlen):
+            return False
         return (
             platform.kind == self.kind
             and (self.layout is None or self.layout == layout)
@@ -58,7 +74,12 @@ BLACKWELL = dict(kind="cuda", min_capability=(10, 0))
 AMPERE_ADA = dict(kind="cuda", min_capability=(8, 0), max_capability=(8, 9))
 
 RANKING: tuple[RankRule, ...] = (
-    # Hopper: FA3 wins at head dim 128, cuDNN at 64 (measured); FP32 falls through to efficient.
+    # Hopper FP32 (the VAE contract): no fused kernel takes it; math beat efficient at s4096.
+    RankRule(**HOPPER, layout="dense", dtypes=(torch.float32,), max_seqlen=4096, why=_H200_FP32,
+             order=("sdpa_math", "sdpa_efficient")),
+    # Hopper: FA3 wins at head dim 128 and at hd64 beyond ~1k tokens, cuDNN at hd64 s1024 (measured).
+    RankRule(**HOPPER, layout="dense", max_head_dim=64, min_seqlen=1280, why=_H200_HD64_LONG,
+             order=("fa3", "sdpa_cudnn", "sdpa_flash", "fa2", "torch_varlen", *_FP32)),
     RankRule(**HOPPER, layout="dense", max_head_dim=64, why=_H200_HD64,
              order=("sdpa_cudnn", "fa3", "sdpa_flash", "fa2", "torch_varlen", *_FP32)),
     RankRule(**HOPPER, layout="dense", why=_H200_HD128,
@@ -87,9 +108,10 @@ RANKING: tuple[RankRule, ...] = (
 )
 
 
-def rank(platform, layout: str, head_dim: int, rules: tuple[RankRule, ...] = RANKING) -> tuple[list[str], str]:
+def rank(platform, layout: str, head_dim: int, rules: tuple[RankRule, ...] = RANKING, *,
+         dtype: torch.dtype | None = None, seqlen: int | None = None) -> tuple[list[str], str]:
     """Every registered backend, best first, and why the order is what it is."""
-    rule = next((r for r in rules if r.matches(platform, layout, head_dim)), None)
+    rule = next((r for r in rules if r.matches(platform, layout, head_dim, dtype, seqlen)), None)
     names = registry.names()
     named = [n for n in rule.order if n in names] if rule else []
     rest = [n for n in names if n not in named]

@@ -165,7 +165,8 @@ class AttentionSelector:
                                        supported=supported)
             notes[default] = f"component default unusable: {why}"
             verdicts[default] = notes[default]
-        order, why_order = ranking.rank(self.platform, needs.layouts[0], needs.max_head_dim, self.rules)
+        order, why_order = ranking.rank(self.platform, needs.layouts[0], needs.max_head_dim, self.rules,
+                                        dtype=needs.dtype, seqlen=needs.seqlen_hint)
         for name in order:
             if verdicts[name] is None:
                 failed = self._smoke(name, needs)
@@ -279,7 +280,8 @@ class AttentionSelector:
             reason = f"device {device.type}"
         else:
             reason = "capability"
-        order, _ = ranking.rank(platform, layout, needs.max_head_dim, self.rules)
+        order, _ = ranking.rank(platform, layout, needs.max_head_dim, self.rules, dtype=needs.dtype,
+                                seqlen=needs.seqlen_hint)
         for name in order:
             if self.verdict(name, needs, supported=selection.supported, platform=platform) is None:
                 log.warning("attention %s: %s cannot take a %s call (%s); rerouted to %s",
