@@ -109,11 +109,12 @@ def test_hopper_ranking_depends_on_length_and_dtype(with_fa3):
     whisper = select(HOPPER, Needs(torch.bfloat16, 64, seqlen_hint=1500), component="audio_encoder")
     assert whisper.backend == "fa3" and "s1500" in whisper.reason
     assert select(HOPPER, Needs(torch.bfloat16, 64, seqlen_hint=1024)).backend == "sdpa_cudnn"
-    # FP32 (VAE): math beat efficient at s4096; unknown or longer lengths keep the memory-lean kernel.
+    # FP32 (VAE): math beat efficient up to s16384; unknown or longer lengths keep the memory-lean kernel.
     vae = select(HOPPER, Needs(torch.float32, 512, seqlen_hint=4096), component="vae")
     assert vae.backend == "sdpa_math" and "fp32" in vae.reason
     assert select(HOPPER, Needs(torch.float32, 512), component="vae").backend == "sdpa_efficient"
-    assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=16384), component="vae").backend == "sdpa_efficient"
+    assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=16384), component="vae").backend == "sdpa_math"
+    assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=65536), component="vae").backend == "sdpa_efficient"
 
 
 def test_hopper_without_fa3_records_why(with_fa2):

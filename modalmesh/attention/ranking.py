@@ -28,7 +28,8 @@ from modalmesh.attention import registry
 _H200_HD128 = "H200 bf16 hd128 s4096: fa3 710 TFLOP/s (causal 667) > sdpa_cudnn 668-677 (559) > sdpa_flash 355"
 _H200_HD64 = "H200 bf16 hd64 s1024: sdpa_cudnn 425 TFLOP/s > fa3 365 > sdpa_flash 278"
 _H200_HD64_LONG = "H200 bf16 hd64 s1500 (Whisper): fa3 475 TFLOP/s > sdpa_cudnn 384 > sdpa_flash 276"
-_H200_FP32 = "H200 fp32 hd512 s4096 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0"
+_H200_FP32 = ("H200 fp32 hd512 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0 at s4096, "
+              "41.8 > 39.6 at s16384")
 _H200_VARLEN = "H200 bf16 packed hd128: fa3 633 TFLOP/s > torch_varlen 317"
 _PAGED = "unmeasured: native paged-KV kernels first, SDPA gathers pages"
 _FP32 = ("sdpa_efficient", "sdpa_math")  # what FP32 falls to on GPUs
@@ -74,8 +75,9 @@ BLACKWELL = dict(kind="cuda", min_capability=(10, 0))
 AMPERE_ADA = dict(kind="cuda", min_capability=(8, 0), max_capability=(8, 9))
 
 RANKING: tuple[RankRule, ...] = (
-    # Hopper FP32 (the VAE contract): no fused kernel takes it; math beat efficient at s4096.
-    RankRule(**HOPPER, layout="dense", dtypes=(torch.float32,), max_seqlen=4096, why=_H200_FP32,
+    # Hopper FP32 (the VAE contract): no fused kernel takes it; math beat efficient up to s16384
+    # (its score matrix is 1 GiB per image there); beyond that, the memory-lean kernel.
+    RankRule(**HOPPER, layout="dense", dtypes=(torch.float32,), max_seqlen=16384, why=_H200_FP32,
              order=("sdpa_math", "sdpa_efficient")),
     # Hopper: FA3 wins at head dim 128 and at hd64 beyond ~1k tokens, cuDNN at hd64 s1024 (measured).
     RankRule(**HOPPER, layout="dense", max_head_dim=64, min_seqlen=1280, why=_H200_HD64_LONG,
