@@ -20,12 +20,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from modalmesh import tiny
+from modalmesh import distributed, tiny
 from modalmesh.attention import PagedMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.kv.pool import build_kv_pool
-from modalmesh.weights import CheckpointReader, MissingWeightsError, UnexpectedWeightsError, load_weights
+from modalmesh.weights import CheckpointReader, MissingWeightsError, UnexpectedWeightsError
+from modalmesh.weights import loader as weights_loader
 from services.llm.loader import load_llm
 from services.llm.models import (
     GPTNeoXForCausalLM,
@@ -118,10 +119,10 @@ def reference_logits(ref, name: str, ids=None, embeds=None, positions=None) -> t
 
 # ---- a minimal engine: the pool, packed batches, paged metadata --------------------------------
 class Runner:
-    def __init__(self, model, cfg, tokens: int = 2048):
+    def __init__(self, model, cfg, tokens: int = 2048, tp_size: int = 1):
         self.model = model
         self.pool = build_kv_pool(cfg, "cpu", max_model_len=256, page_size=PAGE, kv_cache_tokens=tokens,
-                                  dtype=torch.float32)
+                                  dtype=torch.float32, tp_size=tp_size)
         self.caches = [self.pool.layer(i) for i in range(cfg.num_layers)]
 
     def step(self, work):
@@ -314,24 +315,30 @@ def test_both_multimodal_layouts_load_the_same_language_model(root, name):
         assert report.loaded and not any(n.startswith(TOWERS) for n in report.loaded + report.skipped)
 
 
-def test_tower_shards_are_never_opened(root):
-    """A sharded Qwen2-VL checkpoint: the LM's reader opens no shard that holds only vision tensors."""
-    path = root / "qwen2_vl_sharded"
+@pytest.mark.parametrize("name", ("qwen2_vl", "qwen2_audio"))
+def test_tower_shards_are_never_opened(root, name, monkeypatch):
+    """Sharded hub checkpoints: load_llm opens no shard that holds only vision / audio tensors."""
+    path = root / f"{name}_sharded"
     if not path.exists():
-        reference(checkpoint(root, "qwen2_vl"), "qwen2_vl").save_pretrained(path, max_shard_size="20KB")
-    cls = model_class(ModelConfig.from_hf(path))
+        reference(checkpoint(root, name), name).save_pretrained(path, max_shard_size="20KB")
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    vision_only = {path / f for f in set(weight_map.values())
-                   if all(k.startswith("visual.") for k, g in weight_map.items() if g == f)}
-    reader = CheckpointReader(path, prefixes=cls.checkpoint_prefixes)
-    assert vision_only, "the test means something only if some shards hold only vision tensors"
-    with torch.device("meta"):
-        model = cls(ModelConfig.from_hf(path), dtype=torch.float32, page_size=PAGE)
-    report = load_weights(model, reader, cls.weights_mapper, cls.stacked_params, device="cpu")
-    assert not set(reader.opened_files) & vision_only
-    assert not any(n.startswith("visual.") for n in report.loaded)
-    model2, _ = ours(path)
-    for (n, p), (_, q) in zip(model.state_dict().items(), model2.state_dict().items()):
+    tower_only = {path / f for f in set(weight_map.values())
+                  if all(k.startswith(TOWERS) for k, g in weight_map.items() if g == f)}
+    assert tower_only, "the test means something only if some shards hold only tower tensors"
+    readers = []
+
+    class RecordingReader(CheckpointReader):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            readers.append(self)
+
+    monkeypatch.setattr(weights_loader, "CheckpointReader", RecordingReader)
+    model, _, report = load_llm(path, device="cpu", dtype=torch.float32, page_size=PAGE)
+    assert len(readers) == 1 and readers[0].opened_files
+    assert not set(readers[0].opened_files) & tower_only
+    assert not any(n.startswith(TOWERS) for n in report.loaded + report.skipped)
+    single, _ = ours(checkpoint(root, name))
+    for (n, p), (_, q) in zip(model.state_dict().items(), single.state_dict().items()):
         assert torch.equal(p, q), n
 
 
@@ -389,6 +396,31 @@ def test_dummy_weights_have_the_real_shapes(root, name, tmp_path):
     assert logits.shape == (5, cfg.vocab_size) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
+# ---- tensor parallelism ----------------------------------------------------------------------
+TP_MODELS = ("qwen2", "llama_bias_tied", "gpt_neox")  # KV heads split / replicated, tied heads, per-head qkv
+
+
+def _tp_worker(rank: int, world_size: int, cases: list) -> None:
+    """Each rank loads its shard of every model from the full checkpoint and reproduces the reference."""
+    for path, seqs, want in cases:
+        model, cfg, _ = load_llm(path, device="cpu", dtype=torch.float32, page_size=PAGE)
+        assert model.lm_head.weight.shape[0] == cfg.vocab_size // world_size
+        runner = Runner(model, cfg, tp_size=world_size)
+        got = runner.run_schedule({s: (ids, None) for s, ids in seqs.items()}, SCHEDULE)
+        for s in seqs:
+            torch.testing.assert_close(got[s], want[s], **TOL, msg=lambda m: f"rank {rank} {path}: {m}")
+
+
+def test_tensor_parallel_ranks_reproduce_the_reference(root):
+    cases = []
+    for name in TP_MODELS:
+        path = checkpoint(root, name)
+        seqs = {s: _ids(n, seed=300 + n) for s, n in LENGTHS.items()}
+        want = {s: reference_logits(reference(path, name), name, ids) for s, ids in seqs.items()}
+        cases.append((str(path), seqs, want))
+    distributed.launch(2, _tp_worker, cases, backend="gloo")
+
+
 # ---- selection and the forward contract -------------------------------------------------------
 def test_model_class_by_architecture_and_unknown_architectures(root):
     expected = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
@@ -402,6 +434,10 @@ def test_model_class_by_architecture_and_unknown_architectures(root):
         model_class(ModelConfig.from_hf(raw))
     no_arch = ModelConfig.from_hf({**raw, "architectures": None, "model_type": "qwen2"})
     assert model_class(no_arch) is Qwen2ForCausalLM
+    dynamic = ModelConfig.from_hf({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                   "vocab_size": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"), torch.device("meta"):
+        model_class(dynamic)(dynamic)
 
 
 def test_forward_rejects_bad_calls(root):
