@@ -352,7 +352,8 @@ def _rewrite(root: Path, name: str, new: str, edit) -> Path:
 
 
 def test_an_unexpected_or_missing_tensor_raises(root):
-    extra = _rewrite(root, "llama", "llama_extra", lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.ones(2)}))
+    extra = _rewrite(root, "llama", "llama_extra",
+                     lambda s: s.update({"model.layers.0.mlp.extra.weight": torch.ones(2)}))
     with pytest.raises(UnexpectedWeightsError, match="model.layers.0.mlp.extra.weight"):
         ours(extra)
     missing = _rewrite(root, "qwen3", "qwen3_missing", lambda s: s.pop("model.layers.1.self_attn.k_norm.weight"))

@@ -68,7 +68,8 @@ class CausalLM(nn.Module):
                                    params, mrope_section=rope.mrope_section if self.uses_mrope else None)
 
     def _inputs(self, positions: torch.Tensor, meta: PagedMetadata, kv_caches: KVCaches,
-                input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                input_ids: torch.Tensor | None,
+                inputs_embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate a forward call; returns (hidden (T, H), positions (T,) or (3, T))."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")

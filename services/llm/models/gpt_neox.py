@@ -17,7 +17,14 @@ from torch import nn
 
 from modalmesh.attention import Attention, PagedMetadata
 from modalmesh.config import ModelConfig
-from modalmesh.layers import MLP, LayerNorm, ParallelLMHead, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from modalmesh.layers import (
+    MLP,
+    LayerNorm,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.weights import LEGACY_BUFFERS, StackedMapping, WeightsMapper
 from services.llm.models.base import CausalLM, KVCaches

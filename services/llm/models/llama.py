@@ -19,7 +19,14 @@ from torch import nn
 
 from modalmesh.attention import Attention, PagedMetadata
 from modalmesh.config import ModelConfig
-from modalmesh.layers import GatedMLP, ParallelLMHead, QKVParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from modalmesh.layers import (
+    GatedMLP,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from modalmesh.layers.rotary import RotaryEmbedding
 from services.llm.models.base import CausalLM, KVCaches
 

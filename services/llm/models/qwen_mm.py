@@ -5,10 +5,11 @@ belong to the language model (only those are opened, so the LLM pod never
 reads the vision or audio tower) and how their names map onto the module tree.
 Both layouts load:
 
-    Qwen2-VL / 2.5-VL  hub:            model.{embed_tokens,layers,norm}.*, lm_head.*   (visual.* not read)
-                       transformers 5: model.language_model.*, lm_head.*              (model.visual.* not read)
-    Qwen2-Audio        hub:            language_model.model.*, language_model.lm_head.*  (audio_tower.*,
-                       transformers 5: model.language_model.*, lm_head.*                 multi_modal_projector.* not read)
+    Qwen2-VL / 2.5-VL  hub:            model.{embed_tokens,layers,norm}.*, lm_head.*     (visual.* not read)
+                       transformers 5: model.language_model.*, lm_head.*                (model.visual.* not read)
+    Qwen2-Audio        hub:            language_model.model.*, language_model.lm_head.*
+                       transformers 5: model.language_model.*, lm_head.*
+                       (audio_tower.* / multi_modal_projector.*, with or without model., not read)
 
 Qwen2-VL / 2.5-VL rotate with M-RoPE: positions are (3, T) (temporal, height,
 width; see services/llm/mrope.py), the frequency bands split by ``mrope_section``.
