@@ -162,8 +162,8 @@ def _check_size(width: int, height: int, where: str, max_image_pixels: int) -> N
     if width <= 0 or height <= 0:
         raise InvalidArgument(f"{where}: image has zero size ({width}x{height})")
     if width * height > max_image_pixels:
-        raise InvalidArgument(f"{where}: image is {width}x{height} = {width * height} pixels, more than the "
-                              f"server's limit of {max_image_pixels} (--max-image-pixels)")
+        raise InvalidArgument(f"{where}: image is {width}x{height} = {width * height} pixels, too large: the "
+                              f"server's limit is {max_image_pixels} (--max-image-pixels)")
     if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise InvalidArgument(f"{where}: aspect ratio {max(width, height) / min(width, height):.0f} of a "
                               f"{width}x{height} image exceeds {MAX_ASPECT_RATIO}")
@@ -183,7 +183,7 @@ def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple
     except InvalidArgument:
         raise
     except Image.DecompressionBombError as e:
-        raise InvalidArgument(f"{where}: image too large to decode ({e})") from None
+        raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
     except Image.UnidentifiedImageError:
         raise InvalidArgument(f"{where}: data is not a decodable {'/'.join(formats)} image "
                               f"({len(data)} bytes starting {data[:8]!r})") from None
