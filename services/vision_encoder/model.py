@@ -33,10 +33,7 @@ from modalmesh.weights import load_checkpoint
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.models import SiglipVisionTower, tower_class
 
-try:  # the shared encoder layer (services/encoder/) once it has landed
-    from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
-except ImportError:  # pragma: no cover - before the merge
-    from services.vision_encoder._contract import EncodedItem, EncoderModel, PreparedItem
+from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +76,7 @@ class VisionEncoderModel(EncoderModel):
         self.load_report = load_checkpoint(
             self.tower, model_dir, mapper=self.tower.mapper, stacked=self.tower.stacked,
             prefixes=cls.checkpoint_prefixes, device=self.device, dtype=dtype, dummy=dummy,
-            metrics=metrics if metrics is not None else None,
+            metrics=metrics,
         )
         self.tower.eval()
         self.native = cls.processor_kind == "qwen2_vl"
