@@ -162,6 +162,28 @@ def test_siglip_patch_and_pooled_match_reference(checkpoints, layout):
             assert not hasattr(model.tower, "head") and model.load_report.skipped
 
 
+def test_siglip_image_size_not_a_multiple_of_the_patch(tmp_path):
+    """so400m-384 has 384 / 14 = 27.4 patches a side: the last 6 pixels fall off, as in a valid conv."""
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=38, patch_size=8, initializer_range=0.2)
+    ref = SiglipVisionModel(config).eval()
+    ref.save_pretrained(tmp_path)
+    SiglipImageProcessorPil(size={"height": 38, "width": 38}).save_pretrained(tmp_path)
+    model = build_encoder_model(tmp_path, device="cpu", dtype=torch.float32, options={"siglip_output": "both"})
+    images = _images([(38, 38), (64, 30)], seed=4)
+    pv = SiglipImageProcessorPil.from_pretrained(tmp_path)(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        out = ref(pixel_values=pv)
+    want = torch.cat((out.last_hidden_state, out.pooler_output[:, None]), 1)
+    got = model.encode([model.prepare(_item(im), i) for i, im in enumerate(images)])
+    assert got[0].embedding.shape == (17, 32)
+    for g, w in zip(got, want):
+        assert (g.embedding - w).abs().max().item() <= TOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "siglip"])
 def test_bf16_cuda_parity(checkpoints, name):
@@ -188,3 +210,25 @@ def test_bf16_cuda_parity(checkpoints, name):
         assert g.embedding.dtype == torch.bfloat16
         scale = w.float().abs().max().item()
         assert (g.embedding.float() - w.float()).abs().max().item() <= 0.05 * max(scale, 1.0)
+
+
+def test_full_siglip_model_checkpoint_loads_only_the_vision_tower(tmp_path):
+    """A SiglipModel (text + vision) checkpoint: vision_config, vision_model.* tensors; text_model.* unopened."""
+    from transformers import SiglipConfig, SiglipImageProcessorPil, SiglipModel
+
+    torch.manual_seed(1)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    ref = SiglipModel(SiglipConfig(text_config=text, vision_config=vision)).eval()
+    ref.save_pretrained(tmp_path)
+    SiglipImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    model = build_encoder_model(tmp_path, device="cpu", dtype=torch.float32)
+    assert model.architecture == "SiglipModel"
+    assert all(n.startswith("vision_model.") for n in model.load_report.loaded)
+    image = _images([(40, 40)], seed=5)[0]
+    pv = SiglipImageProcessorPil.from_pretrained(tmp_path)(images=[image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = ref.vision_model(pixel_values=pv).last_hidden_state[0]
+    got = model.encode([model.prepare(_item(image), 0)])[0].embedding
+    assert (got - want).abs().max().item() <= TOL

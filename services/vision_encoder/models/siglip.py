@@ -92,8 +92,9 @@ class SiglipEmbeddings(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         b, c, h, w = pixel_values.shape
         p = self.patch
-        patches = pixel_values.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
-        patches = patches.reshape(b, (h // p) * (w // p), c * p * p)
+        gh, gw = h // p, w // p  # a "valid" conv drops the pixels past the last whole patch
+        patches = pixel_values[:, :, : gh * p, : gw * p].reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
+        patches = patches.reshape(b, gh * gw, c * p * p)
         return self.patch_embedding(patches) + self.position_embedding.weight
 
 
