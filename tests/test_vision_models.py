@@ -48,6 +48,17 @@ def _write_sharded(state: dict, out, vision_prefix: str) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
+def _split_qkv(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if ".attn.qkv." in k:
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), v.chunk(3, dim=0)):
+                out[k.replace(".attn.qkv.", f".attn.{part}.")] = chunk
+        else:
+            out[k.replace(".attn.proj.", ".attn.out_proj.")] = v
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """name -> {layout: dir} and the FP32 reference models."""
@@ -64,6 +75,13 @@ def checkpoints(tmp_path_factory):
         _write_sharded(state, alt, "model.visual." if name != "siglip" else alt_prefix)
         dirs[name] = {"hub": hub, "alt": alt}
         refs[name] = ref
+        if name == "qwen2_5_vl":  # converted checkpoints spell attention q/k/v_proj + out_proj
+            split = root / f"{name}_split"
+            split.mkdir()
+            for f in ("config.json", "preprocessor_config.json"):
+                shutil.copy(hub / f, split / f)
+            _write_sharded(_split_qkv(ref.state_dict()), split, "model.visual.")
+            dirs[name]["split"] = split
     return dirs, refs
 
 
@@ -89,8 +107,8 @@ def _hf_qwen(ref, path, images):
     return list(out.split(sizes)), [tuple(g) for g in batch["image_grid_thw"].tolist()]
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
-@pytest.mark.parametrize("layout", ["hub", "alt"])
+@pytest.mark.parametrize("name, layout", [("qwen2_vl", "hub"), ("qwen2_vl", "alt"), ("qwen2_5_vl", "hub"),
+                                          ("qwen2_5_vl", "alt"), ("qwen2_5_vl", "split")])
 def test_qwen_tower_matches_reference_single_and_mixed_batch(checkpoints, name, layout):
     dirs, refs = checkpoints
     model = build_encoder_model(dirs[name][layout], device="cpu", dtype=torch.float32)
