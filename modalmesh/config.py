@@ -240,6 +240,8 @@ def _pick(root: Mapping, part: str) -> Mapping:
             return node.to_dict()
     if part == "text":
         return root  # a plain LM, or a transformers-4 flat multimodal config (Qwen2-VL)
+    if part == "vision" and str(root.get("model_type", "")).endswith("vision_model"):
+        return root  # a standalone vision tower (SigLIP's siglip_vision_model)
     raise ConfigError(f"config ({root.get('model_type')}) has no {part} sub-config")
 
 

@@ -245,3 +245,10 @@ def test_missing_core_sizes_is_a_config_error():
         ModelConfig.from_hf({"model_type": "x", "vocab_size": 10})
     with pytest.raises(ConfigError, match="part 'video'"):
         ModelConfig.from_hf(LLAMA, part="video")
+
+
+def test_standalone_vision_model_is_its_own_vision_part(tmp_path):
+    from modalmesh import tiny
+
+    cfg = ModelConfig.from_hf(tiny.ensure("siglip", tmp_path), part="vision")
+    assert cfg.part == "vision" and cfg.hidden_size == 32 and cfg.num_layers == 2 and cfg.num_heads == 4

@@ -33,8 +33,8 @@ def checkpoints(tmp_path_factory):
     placeholder.mkdir()
     (placeholder / "config.json").write_text(json.dumps({"architectures": ["Placeholder"]}))
     save_file({"w": torch.zeros(2, 2)}, str(placeholder / "model.safetensors"))
-    return {"llm": tiny.ensure("qwen2_vl", root), "vision_encoder": None, "audio_encoder": None,
-            "vae": placeholder}
+    qwen2_vl = tiny.ensure("qwen2_vl", root)
+    return {"llm": qwen2_vl, "vision_encoder": qwen2_vl, "audio_encoder": None, "vae": placeholder}
 
 
 def _model_flags(path):
@@ -96,7 +96,6 @@ def test_pods_of_one_checkpoint_share_a_fingerprint(running, checkpoints):
 @pytest.mark.parametrize(
     "name, call",
     [
-        ("vision_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
         ("audio_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
         ("vae", lambda ch: pb.vae_pb2_grpc.VAEServiceStub(ch).Decode(pb.DecodeRequest(), timeout=10)),
     ],

@@ -39,6 +39,11 @@ class EncoderModel(ABC):
     output_hidden_size: int = 0  # width of the returned rows (the LLM's hidden size after merger/projector)
     architecture: str = ""
 
+    def cache_key(self, item: pb.EncodeItem, index: int) -> bytes | None:
+        """The item's cache key before any preprocessing (content hash + parameters), so a hit skips
+        decoding; must equal the key prepare() returns. None: look the cache up after prepare()."""
+        return None
+
     @abstractmethod
     def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
         """CPU preprocessing; bad input raises InvalidArgument("items[index]: ..."). Thread-safe."""

@@ -117,22 +117,31 @@ class EncoderService(Service):
         if n > self.args.max_items_per_request:
             raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.args.max_items_per_request}")
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, self.model.prepare, item, i) for i, item in enumerate(request.items))
+        keys = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
         )
         out: list[pb.Embedding | None] = [None] * n
+        for i, key in enumerate(keys):
+            if key is not None:
+                out[i] = self.cache.get(key)  # a hit skips decoding and preprocessing
+        todo = [i for i in range(n) if out[i] is None]
+        prepared = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self.model.prepare, request.items[i], i) for i in todo)
+        )
         misses: dict[bytes, list[int]] = {}
-        for i, p in enumerate(prepared):
+        by_key: dict[bytes, PreparedItem] = {}
+        for i, p in zip(todo, prepared):
             if p.cache_key in misses:  # the same content twice in one request: encode once
                 misses[p.cache_key].append(i)
                 continue
-            hit = self.cache.get(p.cache_key)
+            hit = self.cache.get(p.cache_key) if keys[i] is None else None
             if hit is not None:
                 out[i] = hit
             else:
                 misses[p.cache_key] = [i]
+                by_key[p.cache_key] = p
         if misses:
-            encoded = await self.batcher.submit([prepared[idx[0]] for idx in misses.values()])
+            encoded = await self.batcher.submit([by_key[key] for key in misses])
             for (key, indices), message in zip(misses.items(), encoded):
                 self.cache.put(key, message)
                 for i in indices:

@@ -111,13 +111,19 @@ class VisionEncoderModel(EncoderModel):
         return proc
 
     # ---- the contract ---------------------------------------------------------------------
-    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
-        where = f"items[{index}]"
+    def cache_key(self, item: pb.EncodeItem, index: int) -> bytes:
+        """Content + pixel budget + everything fixed at load time: known before decoding."""
         params = b""
         if self.native:
             lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
             params = f"{lo}:{hi}".encode()
-        key = hashlib.sha256(self._key_base + params + pp.content_digest(item)).digest()
+        return hashlib.sha256(self._key_base + params + pp.content_digest(item)).digest()
+
+    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+        where = f"items[{index}]"
+        key = self.cache_key(item, index)
+        if self.native:
+            lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
         image = pp.decode_image(item, index, max_image_pixels=int(self.options["max_image_pixels"]))
         image = pp.to_rgb(image)
         if self.native:
