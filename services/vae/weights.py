@@ -78,3 +78,12 @@ def load_decoder(model: AutoencoderKLDecoder, vae_dir: str | Path, *, device, dt
                  dummy: bool = False, metrics=None) -> LoadReport:
     return load_checkpoint(model, vae_dir, mapper=MAPPER, prefixes=PREFIXES, device=device, dtype=dtype,
                            dummy=dummy, metrics=metrics)
+
+
+def load_decoder_state(model: AutoencoderKLDecoder, state, *, device, dtype: torch.dtype,
+                       metrics=False) -> LoadReport:
+    """Load from an in-memory AutoencoderKL state dict (benchmarks, GPU parity tests); encoder entries ignored."""
+    from modalmesh.weights import load_weights
+
+    items = ((k, v) for k, v in (state.items() if hasattr(state, "items") else state) if k.startswith(PREFIXES))
+    return load_weights(model, items, MAPPER, device=device, dtype=dtype, metrics=metrics)
