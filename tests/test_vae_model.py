@@ -147,7 +147,8 @@ def test_legacy_attention_checkpoints_load_and_match(ckpts, tmp_path, variant):
 
 
 def test_legacy_mapper_rewrites_only_mid_block_attention():
-    assert LEGACY_ATTENTION.apply("decoder.mid_block.attentions.0.query.bias") == "decoder.mid_block.attentions.0.to_q.bias"
+    assert LEGACY_ATTENTION.apply("decoder.mid_block.attentions.0.query.bias") == \
+        "decoder.mid_block.attentions.0.to_q.bias"
     assert LEGACY_ATTENTION.apply("decoder.mid_block.attentions.0.proj_attn.weight") == \
         "decoder.mid_block.attentions.0.to_out.0.weight"
     assert LEGACY_ATTENTION.apply("decoder.up_blocks.0.resnets.0.conv1.weight") == \

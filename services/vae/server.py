@@ -95,6 +95,8 @@ class DecodeBatcher:
                 job.future.set_exception(FailedPrecondition("the service is shutting down"))
 
     async def submit(self, job: DecodeJob) -> JobResult:
+        if self._worker is None or self._worker.done():
+            raise FailedPrecondition("the decode worker is not running (service starting or stopping)")
         if len(self._pending) >= self.max_queue:
             raise ResourceExhausted(f"decode queue is full ({self.max_queue} requests waiting); retry later")
         job.future = asyncio.get_running_loop().create_future()
@@ -202,9 +204,11 @@ class VAEDecoderService(Service):
         self.tiling = TilingDefaults.for_config(self.cfg, args.tile_size, args.tile_overlap, args.tile_threshold,
                                                 args.tile_batch)
         if self.tiling.overlap >= self.tiling.tile:
-            raise ConfigError(f"--tile-overlap {self.tiling.overlap} must be smaller than the tile ({self.tiling.tile})")
+            raise ConfigError(f"--tile-overlap {self.tiling.overlap} must be smaller than the tile "
+                              f"({self.tiling.tile})")
         if self.cfg.force_upcast and self.dtype == torch.float16:
-            log.warning("this VAE's config asks for force_upcast: float16 decoding may overflow (use bfloat16 or float32)")
+            log.warning("this VAE's config asks for force_upcast: float16 decoding may overflow "
+                        "(use bfloat16 or float32)")
         # Built on meta now so that an attention override that cannot serve this model fails start-up.
         self.model = build_decoder(self.cfg, dtype=self.dtype, seqlen_hint=self.tiling.threshold ** 2)
 
