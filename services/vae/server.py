@@ -308,7 +308,7 @@ class VAEDecoderService(Service):
                 f"would exceed --max-message-mb {args.max_message_mb}; send fewer or smaller latents")
         tiling = self._tiling(request.tiling, h, w)
         z = from_proto(request.latents, name="latents")
-        z = z.to(torch.float32)  # a copy: the message's bytes stay untouched
+        z = z.to(torch.float32)  # FLOAT32 stays a view of the message's bytes: nothing below writes in place
         if not bool(torch.isfinite(z).all()):
             bad = int((~torch.isfinite(z)).sum())
             raise InvalidArgument(f"latents: {bad} value(s) are NaN or infinite")
