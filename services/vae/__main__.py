@@ -1,3 +1,4 @@
+"""`python -m services.vae --model DIR`: the VAE decoder service."""
 import sys
 
 from modalmesh.service import run

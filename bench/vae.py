@@ -1,0 +1,202 @@
+"""VAE decode: ours vs diffusers' AutoencoderKL.decode in the same run, and the largest tiled decode.
+
+    python bench/vae.py                  # on a GPU: SDXL-VAE shape, 512^2 and 1024^2, FP32 and bf16
+    python bench/vae.py --quick          # tiny shapes; also runs on CPU (checks the script, not speed)
+    python bench/vae.py --model DIR      # a real diffusers VAE directory instead of random weights
+
+Random weights in the SDXL VAE shape (block_out_channels 128/256/512/512,
+2 layers per block, 4 latent channels, scaling 0.13025) unless --model is
+given: diffusers' model is built from that config in code (nothing is
+downloaded) and its weights are copied into ours, so both decode the same
+function and the table shows the difference between the two outputs too.
+Timing: CUDA events around each call after warm-up, median of --iters.
+Baselines measured on one H200 (diffusers): 85 ms bf16, 114 ms FP32 at 1024^2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from modalmesh.attention import configure  # noqa: E402
+from services.vae.config import VAEConfig, find_vae_dir  # noqa: E402
+from services.vae.engine import ON, TilingDefaults, TilingRequest, VAEEngine  # noqa: E402
+from services.vae.weights import build_decoder, load_decoder_state  # noqa: E402
+
+SDXL_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    norm_num_groups=32, act_fn="silu", sample_size=1024, scaling_factor=0.13025, force_upcast=True,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)
+QUICK_VAE = {**SDXL_VAE, "block_out_channels": (16, 32), "norm_num_groups": 8, "sample_size": 64,
+             "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median milliseconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def build_reference(args, device):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    if args.model:
+        ref = AutoencoderKL.from_pretrained(find_vae_dir(args.model))
+    else:
+        ref = AutoencoderKL(**(QUICK_VAE if args.quick else SDXL_VAE))  # diffusers' own random init
+    return ref.to(device).eval().requires_grad_(False)
+
+
+def build_ours(cfg: VAEConfig, state, device, dtype, seqlen_hint, channels_last=False):
+    model = build_decoder(cfg, dtype=dtype, seqlen_hint=seqlen_hint)
+    load_decoder_state(model, state, device=device, dtype=dtype)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a diffusers VAE directory (default: random SDXL-shaped weights)")
+    parser.add_argument("--dummy-weights", action="store_true", default=True,
+                        help="random weights in the SDXL VAE shape (the default without --model)")
+    parser.add_argument("--sizes", default="512,1024", help="image sides in pixels")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-channels-last", action="store_true", help="skip the NHWC column")
+    parser.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark for both")
+    parser.add_argument("--attention-backend", default=None, help="e.g. vae=sdpa_efficient")
+    parser.add_argument("--largest", default="bfloat16", help="dtype for the largest tiled decode ('' skips it)")
+    parser.add_argument("--largest-sides", default="2048,4096,8192,12288,16384")
+    parser.add_argument("--tile-batch", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="tiny model and sizes (runs on CPU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    if args.quick:
+        args.sizes, args.warmup, args.iters = "64,128", 1, 2
+        args.largest_sides = "256,512"
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    configure(args.attention_backend, device=device)
+    torch.set_grad_enabled(False)
+
+    import diffusers
+
+    reference = build_reference(args, device)
+    cfg = VAEConfig.from_dict({"_class_name": "AutoencoderKL", **{k: v for k, v in reference.config.items()
+                                                                    if not k.startswith("_")}})
+    full_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # FP32, restored per dtype
+    state = {k: v for k, v in full_state.items() if k.startswith(("decoder.", "post_quant_conv."))}
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# VAE decode on {gpu}: torch {torch.__version__}, diffusers {diffusers.__version__}, "
+          f"batch {args.batch}, {'model ' + args.model if args.model else 'random weights (SDXL VAE shape)'}, "
+          f"cudnn.benchmark={torch.backends.cudnn.benchmark}, cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
+    header = ["size", "dtype", "attention", "ours ms/img", "ours NHWC ms/img", "diffusers ms/img", "speedup",
+              "ours peak GiB", "diffusers peak GiB", "max|ours-diffusers|"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for dtype_name in [d for d in args.dtypes.split(",") if d]:
+        dtype = DTYPES[dtype_name]
+        reference.float().load_state_dict(full_state)  # exact FP32 weights, then this dtype (as ours gets them)
+        ref = reference.to(dtype)
+        hint = (max(sizes) // cfg.scale_factor) ** 2
+        ours = build_ours(cfg, state, device, dtype, hint)
+        nhwc = None if args.no_channels_last else build_ours(cfg, state, device, dtype, hint, channels_last=True)
+        backend = ours.decoder.mid_block.attentions[0].attn.backend_name if cfg.mid_block_add_attention else "-"
+        for size in sizes:
+            side = size // cfg.scale_factor
+            z = torch.randn(args.batch, cfg.latent_channels, side, side, device=device,
+                            generator=torch.Generator(device).manual_seed(size)).to(dtype)
+            diff = (ours(z).float() - ref.decode(z).sample.float()).abs().max().item()
+            reset_peak(device)
+            ours_ms = timer(lambda: ours(z), device, args.warmup, args.iters) / args.batch
+            ours_peak = peak_gib(device)
+            nhwc_ms = float("nan")
+            if nhwc is not None:
+                zc = z.contiguous(memory_format=torch.channels_last)
+                nhwc_ms = timer(lambda: nhwc(zc), device, args.warmup, args.iters) / args.batch
+            reset_peak(device)
+            ref_ms = timer(lambda: ref.decode(z).sample, device, args.warmup, args.iters) / args.batch
+            ref_peak = peak_gib(device)
+            best = min(ours_ms, nhwc_ms) if nhwc is not None else ours_ms
+            print(f"| {size}x{size} | {dtype_name} | {backend} | {ours_ms:.2f} | {nhwc_ms:.2f} | {ref_ms:.2f} | "
+                  f"{ref_ms / best:.2f}x | {ours_peak:.2f} | {ref_peak:.2f} | {diff:.2e} |", flush=True)
+        del ours, nhwc
+        reset_peak(device)
+    del reference, full_state
+
+    if args.largest:
+        dtype = DTYPES[args.largest]
+        tiling = TilingDefaults.for_config(cfg, batch=args.tile_batch)
+        model = build_ours(cfg, state, device, dtype, tiling.tile ** 2)
+        engine = VAEEngine(cfg, model, device=device, dtype=dtype, tiling=tiling)
+        print(f"\n# largest tiled decode ({args.largest}, tiles {tiling.tile}/{tiling.overlap} latent, "
+              f"{tiling.batch} per call)")
+        print("| size | tiles | seconds | peak GiB | result |")
+        print("|---|---|---|---|---|")
+        largest = None
+        for size in [int(s) for s in args.largest_sides.split(",") if s]:
+            side = size // cfg.scale_factor
+            z = torch.randn(1, cfg.latent_channels, side, side, device=device)
+            reset_peak(device)
+            start = time.perf_counter()
+            try:
+                result = engine.decode(z, TilingRequest(mode=ON))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            except Exception as exc:  # noqa: BLE001 - OOM (ResourceExhausted) ends the search
+                print(f"| {size}x{size} | - | - | {peak_gib(device):.2f} | {type(exc).__name__}: {exc} |")
+                break
+            seconds = time.perf_counter() - start
+            ok = bool(torch.isfinite(result.pixels).all())
+            print(f"| {size}x{size} | {result.tiles} | {seconds:.2f} | {peak_gib(device):.2f} | "
+                  f"{'ok' if ok else 'non-finite'} |", flush=True)
+            largest = size
+            del result
+        print(f"\nlargest tiled decode: {largest}x{largest}" if largest else "\nno tiled decode succeeded")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The decoder's view of a diffusers AutoencoderKL config.json: frozen, validated once.
+
+    vae_dir = find_vae_dir(model_dir)          # DIR/vae/ (pipeline layout) or DIR (standalone VAE)
+    cfg = VAEConfig.from_dir(vae_dir)
+    cfg.latent_channels, cfg.scale_factor, cfg.unscale(latents)
+
+Only this module reads the raw config. Families: SD 1.x / 2.x (4 latent channels,
+quant convs, scaling 0.18215), SDXL (scaling 0.13025, optional latents_mean/std),
+SD3 / FLUX (16 channels, shift_factor, no quant convs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modalmesh.errors import ConfigError
+
+SUPPORTED_CLASS = "AutoencoderKL"
+_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+
+
+def find_vae_dir(model_dir: str | Path) -> Path:
+    """DIR/vae when DIR is a pipeline (vae/config.json), else DIR if its config.json is a VAE's."""
+    root = Path(model_dir)
+    for candidate in (root / "vae", root):
+        config = candidate / "config.json"
+        if config.is_file() and _is_autoencoder_kl(_read(config)):
+            return candidate
+    what = None
+    if (root / "config.json").is_file():
+        raw = _read(root / "config.json")
+        what = raw.get("_class_name") or raw.get("architectures") or raw.get("model_type")
+    raise ConfigError(
+        f"--model {model_dir}: no diffusers AutoencoderKL config (looked for vae/config.json and config.json "
+        f"with \"_class_name\": \"AutoencoderKL\"){f'; config.json describes {what}' if what else ''}"
+    )
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return data
+
+
+def _is_autoencoder_kl(raw: dict) -> bool:
+    name = raw.get("_class_name")
+    if name is not None:
+        return name == SUPPORTED_CLASS
+    # Hand-written configs without the diffusers class tag: recognise the decoder's keys.
+    return "latent_channels" in raw and "block_out_channels" in raw and "architectures" not in raw
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    latent_channels: int = 4
+    out_channels: int = 3
+    block_out_channels: tuple[int, ...] = (64,)
+    layers_per_block: int = 1
+    norm_num_groups: int = 32
+    act_fn: str = "silu"
+    mid_block_add_attention: bool = True
+    use_post_quant_conv: bool = True
+    sample_size: int = 32
+    scaling_factor: float = 0.18215
+    shift_factor: float | None = None
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+    force_upcast: bool = True
+    norm_eps: float = 1e-6  # diffusers' decoder hard-codes 1e-6
+
+    @property
+    def scale_factor(self) -> int:
+        """Pixels per latent pixel along each side (8 for SD/SDXL/SD3/FLUX)."""
+        return 2 ** (len(self.block_out_channels) - 1)
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.block_out_channels[-1]  # one head over all mid-block channels
+
+    @property
+    def default_tile_latent(self) -> int:
+        """diffusers' tile_latent_min_size: sample_size / scale factor."""
+        return max(1, self.sample_size // self.scale_factor)
+
+    @classmethod
+    def from_dir(cls, vae_dir: str | Path) -> VAEConfig:
+        return cls.from_dict(_read(Path(vae_dir) / "config.json"), source=str(Path(vae_dir) / "config.json"))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> VAEConfig:
+        if not _is_autoencoder_kl(raw):
+            raise ConfigError(f"{source}: {raw.get('_class_name')!r} is not supported (only {SUPPORTED_CLASS})")
+        up = tuple(raw.get("up_block_types") or ("UpDecoderBlock2D",))
+        blocks = tuple(int(c) for c in raw.get("block_out_channels") or (64,))
+        if any(t != "UpDecoderBlock2D" for t in up):
+            raise ConfigError(f"{source}: up_block_types {list(up)}: only UpDecoderBlock2D is supported")
+        if len(up) != len(blocks):
+            raise ConfigError(f"{source}: {len(up)} up blocks but {len(blocks)} block_out_channels")
+        act = str(raw.get("act_fn", "silu"))
+        if act not in _ACTIVATIONS:
+            raise ConfigError(f"{source}: act_fn {act!r} is not supported (silu)")
+        if raw.get("norm_type", "group") != "group":
+            raise ConfigError(f"{source}: norm_type {raw.get('norm_type')!r} is not supported (group)")
+        groups = int(raw.get("norm_num_groups", 32))
+        if any(c % groups for c in blocks):
+            raise ConfigError(f"{source}: block_out_channels {list(blocks)} not divisible by {groups} groups")
+        sample = raw.get("sample_size", 32)
+        sample = int(sample[0] if isinstance(sample, (list, tuple)) else sample)
+        latent = int(raw.get("latent_channels", 4))
+        mean, std = raw.get("latents_mean"), raw.get("latents_std")
+        for name, value in (("latents_mean", mean), ("latents_std", std)):
+            if value is not None and len(value) != latent:
+                raise ConfigError(f"{source}: {name} has {len(value)} entries for {latent} latent channels")
+        shift = raw.get("shift_factor")
+        cfg = cls(
+            latent_channels=latent,
+            out_channels=int(raw.get("out_channels", 3)),
+            block_out_channels=blocks,
+            layers_per_block=int(raw.get("layers_per_block", 1)),
+            norm_num_groups=groups,
+            act_fn=_ACTIVATIONS[act],
+            mid_block_add_attention=bool(raw.get("mid_block_add_attention", True)),
+            use_post_quant_conv=bool(raw.get("use_post_quant_conv", True)),
+            sample_size=sample,
+            scaling_factor=float(raw.get("scaling_factor", 0.18215)),
+            shift_factor=float(shift) if shift is not None else None,
+            latents_mean=tuple(float(x) for x in mean) if mean is not None else None,
+            latents_std=tuple(float(x) for x in std) if std is not None else None,
+            force_upcast=bool(raw.get("force_upcast", True)),
+        )
+        if cfg.out_channels != 3:
+            raise ConfigError(f"{source}: out_channels={cfg.out_channels}; only RGB (3) decoders are served")
+        if cfg.scaling_factor == 0:
+            raise ConfigError(f"{source}: scaling_factor is 0")
+        return cfg
+
+    def unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        """What a diffusion model emits -> what AutoencoderKL.decode takes, as the diffusers pipelines do:
+        SD/SDXL ``z / scaling_factor``; SD3/FLUX ``z / scaling_factor + shift_factor``; SDXL-style configs
+        with latents_mean/std ``z * std / scaling_factor + mean``."""
+        if self.latents_mean is not None and self.latents_std is not None:
+            shape = (1, self.latent_channels, 1, 1)
+            mean = torch.tensor(self.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+            std = torch.tensor(self.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+            return latents * std / self.scaling_factor + mean
+        latents = latents / self.scaling_factor
+        if self.shift_factor is not None:
+            latents = latents + self.shift_factor
+        return latents

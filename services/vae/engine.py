@@ -1,0 +1,209 @@
+"""The decoding engine behind VAEService (and bench/vae.py): load, plan, decode, post-process.
+
+    engine = VAEEngine.load(vae_dir, device=torch.device("cuda"), dtype=torch.float32)
+    z = engine.cfg.unscale(latents)                       # unless the client sent unscaled latents
+    result = engine.decode(z, TilingRequest())            # pixels in [-1, 1], tiles per image
+    to_uint8(result.pixels)                               # (B, H, W, 3) as diffusers' image processor
+
+Everything here runs in one worker thread at a time (the service's batcher);
+nothing touches the asyncio loop.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from modalmesh.errors import ResourceExhausted
+from services.vae.config import VAEConfig
+from services.vae.tiling import TileGrid, tiled_decode
+from services.vae.weights import build_decoder, load_decoder
+
+log = logging.getLogger(__name__)
+
+AUTO, ON, OFF = "auto", "on", "off"
+# Backends that materialise the (S, S) score matrix (memory grows with the square of h*w).
+_QUADRATIC_BACKENDS = {"sdpa_math", "torch_naive"}
+
+
+@dataclass(frozen=True)
+class TilingRequest:
+    mode: str = AUTO
+    tile: int = 0  # latent pixels per tile side; 0 = engine default
+    overlap: int = -1  # latent pixels of overlap; -1 = engine default
+
+
+@dataclass(frozen=True)
+class TilingDefaults:
+    tile: int = 64
+    overlap: int = 16
+    threshold: int = 64  # AUTO tiles when a latent side exceeds this
+    batch: int = 4  # (tile, image) crops per decoder call
+
+    @classmethod
+    def for_config(cls, cfg: VAEConfig, tile: int = 0, overlap: int = -1, threshold: int = 0, batch: int = 4):
+        tile = tile or max(cfg.default_tile_latent, 8)
+        overlap = overlap if overlap >= 0 else tile // 4
+        return cls(tile=tile, overlap=overlap, threshold=threshold or tile, batch=max(1, batch))
+
+
+@dataclass
+class DecodeResult:
+    pixels: torch.Tensor  # (B, 3, H, W) on the engine's device, about [-1, 1]
+    tiles: int  # tiles per image (1 when untiled)
+    notes: list[str] = field(default_factory=list)
+
+
+class VAEEngine:
+    def __init__(self, cfg: VAEConfig, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
+                 tiling: TilingDefaults | None = None, max_batch: int = 8, channels_last: bool = False,
+                 untiled_budget_bytes: int = 0):
+        self.cfg = cfg
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.tiling = tiling or TilingDefaults.for_config(cfg)
+        self.max_batch = max(1, max_batch)
+        self.channels_last = channels_last
+        self.untiled_budget_bytes = untiled_budget_bytes  # 0: free device memory (CUDA) / unbounded (CPU)
+        if channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        attn = self.attention_layer()
+        self.attention_backend = attn.backend_name if attn is not None else "none"
+
+    @classmethod
+    def load(cls, vae_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
+             metrics=None, tile: int = 0, overlap: int = -1, threshold: int = 0, tile_batch: int = 4,
+             **kwargs) -> VAEEngine:
+        cfg = VAEConfig.from_dir(vae_dir)
+        tiling = TilingDefaults.for_config(cfg, tile, overlap, threshold, tile_batch)
+        # The attention kernel is chosen for the typical call: one tile-sized latent.
+        model = build_decoder(cfg, dtype=dtype, seqlen_hint=tiling.threshold ** 2)
+        engine_report = load_decoder(model, vae_dir, device=device, dtype=dtype, dummy=dummy, metrics=metrics)
+        log.info("%s", engine_report.summary())
+        return cls(cfg, model, device=device, dtype=dtype, tiling=tiling, **kwargs)
+
+    def attention_layer(self):
+        attns = self.model.decoder.mid_block.attentions
+        return attns[0].attn if len(attns) else None
+
+    # ---- planning ---------------------------------------------------------------------------
+    def grid(self, h: int, w: int, req: TilingRequest) -> TileGrid:
+        tile = req.tile or self.tiling.tile
+        if req.overlap >= 0:
+            overlap = req.overlap
+        else:
+            overlap = self.tiling.overlap if not req.tile else tile // 4
+        overlap = min(overlap, tile - 1)
+        return TileGrid.plan(h, w, tile=tile, overlap=overlap)
+
+    def untiled_bytes(self, batch: int, h: int, w: int) -> int:
+        """Rough peak activation bytes of an untiled decode (for the AUTO memory check)."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        channels = list(reversed(self.cfg.block_out_channels))
+        peak = 0
+        for level, c in enumerate(channels):  # block input and (upsampled) output per level
+            side = 2 ** (level + (1 if level < len(channels) - 1 else 0))
+            peak = max(peak, c * h * w * side * side)
+        need = 3 * peak * elt * batch  # input, output and a norm/activation temporary
+        if self.cfg.mid_block_add_attention and self.attention_backend in _QUADRATIC_BACKENDS:
+            heads = self.cfg.block_out_channels[-1] // self.cfg.attention_head_dim
+            need += 2 * batch * heads * (h * w) ** 2 * 4
+        return need
+
+    def budget_bytes(self) -> int | None:
+        if self.untiled_budget_bytes:
+            return self.untiled_budget_bytes
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            return int(0.9 * (free + cached))
+        return None
+
+    def fits(self, batch: int, h: int, w: int) -> bool:
+        budget = self.budget_bytes()
+        return budget is None or self.untiled_bytes(batch, h, w) <= budget
+
+    def should_tile(self, batch: int, h: int, w: int, req: TilingRequest) -> bool:
+        if req.mode == ON:
+            return True
+        if req.mode == OFF:
+            return False
+        return max(h, w) > self.tiling.threshold or not self.fits(min(batch, self.max_batch), h, w)
+
+    # ---- decoding ---------------------------------------------------------------------------
+    def _run(self, z: torch.Tensor) -> torch.Tensor:
+        z = z.to(self.device, self.dtype)
+        if self.channels_last:
+            z = z.contiguous(memory_format=torch.channels_last)
+        return self.model(z)
+
+    @torch.inference_mode()
+    def decode(self, z: torch.Tensor, req: TilingRequest = TilingRequest()) -> DecodeResult:
+        """z: (B, C, h, w) as AutoencoderKL.decode takes it (already unscaled), any device/float dtype."""
+        b, _, h, w = z.shape
+        tiled = self.should_tile(b, h, w, req)
+        try:
+            return self._decode(z, tiled, req)
+        except torch.OutOfMemoryError:
+            self._release()
+            if tiled or req.mode != AUTO:
+                raise ResourceExhausted(
+                    f"decoding {b} latent(s) of {h}x{w} ran out of device memory"
+                    f"{' (tiled)' if tiled else '; request tiling or fewer images'}") from None
+            log.warning("untiled decode of %dx%dx%d ran out of memory; retrying tiled", b, h, w)
+            try:
+                result = self._decode(z, True, req)
+            except torch.OutOfMemoryError:
+                self._release()
+                raise ResourceExhausted(f"decoding {b} latent(s) of {h}x{w} ran out of device memory, "
+                                        "even tiled") from None
+            result.notes.append("out of memory untiled: tiled")
+            return result
+
+    def _decode(self, z: torch.Tensor, tiled: bool, req: TilingRequest) -> DecodeResult:
+        b, _, h, w = z.shape
+        if tiled:
+            grid = self.grid(h, w, req)
+            z = z.to(self.device, torch.float32)
+            pixels = tiled_decode(self._run, z, grid, scale=self.cfg.scale_factor, tile_batch=self.tiling.batch)
+            return DecodeResult(pixels, grid.count)
+        step = self.max_batch
+        while step > 1 and not self.fits(step, h, w):
+            step //= 2
+        parts = [self._run(z[i:i + step]) for i in range(0, b, step)]
+        return DecodeResult(parts[0] if len(parts) == 1 else torch.cat(parts), 1)
+
+    def _release(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def warm_up(self) -> None:
+        z = torch.zeros(1, self.cfg.latent_channels, 8, 8)
+        self.decode(z, TilingRequest(mode=OFF))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ---- pixels as clients receive them -------------------------------------------------------------
+def to_unit(pixels: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] -> [0, 1] float32, (B, 3, H, W): diffusers' VaeImageProcessor.denormalize."""
+    return (pixels.float() * 0.5 + 0.5).clamp_(0, 1)
+
+
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) in [-1, 1] -> (B, H, W, 3) uint8, rounded as diffusers' numpy_to_pil does."""
+    return to_unit(pixels).mul_(255).round_().to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+def encode_png(image: torch.Tensor, compress_level: int = 1) -> bytes:
+    """One (H, W, 3) uint8 CPU image -> PNG bytes (lossless)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image.numpy()).save(buf, format="PNG", compress_level=compress_level)
+    return buf.getvalue()

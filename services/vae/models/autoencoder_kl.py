@@ -1,0 +1,134 @@
+"""AutoencoderKL decoder (SD 1.x/2.x, SDXL, SD3, FLUX): architecture only.
+
+Module names follow diffusers' (``decoder.mid_block.attentions.0.to_q``,
+``decoder.up_blocks.0.upsamplers.0.conv``, ``post_quant_conv``) so its checkpoints
+load by name; older spellings are rewritten by the loader rules in
+services/vae/weights.py. Attention goes through `modalmesh.attention`.
+
+    model = AutoencoderKLDecoder(cfg, dtype=torch.float32)
+    pixels = model(z)            # z as AutoencoderKL.decode takes it -> (B, 3, 8h, 8w) in about [-1, 1]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modalmesh.attention import Attention
+from services.vae.config import VAEConfig
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, groups: int, eps: float):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, cin, eps=eps)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2 = nn.GroupNorm(groups, cout, eps=eps)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        return x + h
+
+
+class SpatialSelfAttention(nn.Module):
+    """Group norm, single-head self-attention over the h*w positions, output projection, residual."""
+
+    def __init__(self, channels: int, head_dim: int, groups: int, eps: float, dtype: torch.dtype | None,
+                 seqlen_hint: int | None):
+        super().__init__()
+        self.heads, self.head_dim = channels // head_dim, head_dim
+        self.group_norm = nn.GroupNorm(groups, channels, eps=eps)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
+        self.attn = Attention(self.heads, head_dim, component="vae", dtype=dtype, seqlen_hint=seqlen_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        seq = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, h*w, C)
+        q, k, v = (proj(seq).view(b, h * w, self.heads, self.head_dim) for proj in (self.to_q, self.to_k, self.to_v))
+        out = self.to_out[0](self.attn(q, k, v).reshape(b, h * w, c))
+        return x + out.transpose(1, 2).reshape(b, c, h, w)
+
+
+class MidBlock(nn.Module):
+    def __init__(self, cfg: VAEConfig, channels: int, dtype, seqlen_hint):
+        super().__init__()
+        groups, eps = cfg.norm_num_groups, cfg.norm_eps
+        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups, eps) for _ in range(2)])
+        self.attentions = nn.ModuleList(
+            [SpatialSelfAttention(channels, cfg.attention_head_dim, groups, eps, dtype, seqlen_hint)]
+            if cfg.mid_block_add_attention else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x)
+        for attn in self.attentions:
+            x = attn(x)
+        return self.resnets[1](x)
+
+
+class Upsample(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class UpDecoderBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, layers: int, groups: int, eps: float, upsample: bool):
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
+        self.upsamplers = nn.ModuleList([Upsample(cout)]) if upsample else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: VAEConfig, dtype, seqlen_hint):
+        super().__init__()
+        channels = list(reversed(cfg.block_out_channels))
+        groups, eps = cfg.norm_num_groups, cfg.norm_eps
+        self.conv_in = nn.Conv2d(cfg.latent_channels, channels[0], 3, padding=1)
+        self.mid_block = MidBlock(cfg, channels[0], dtype, seqlen_hint)
+        self.up_blocks = nn.ModuleList(
+            UpDecoderBlock(channels[max(i - 1, 0)], channels[i], cfg.layers_per_block + 1, groups, eps,
+                           upsample=i < len(channels) - 1)
+            for i in range(len(channels)))
+        self.conv_norm_out = nn.GroupNorm(groups, channels[-1], eps=eps)
+        self.conv_out = nn.Conv2d(channels[-1], cfg.out_channels, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))
+
+
+class AutoencoderKLDecoder(nn.Module):
+    """post_quant_conv (when the config has one) followed by the decoder: AutoencoderKL.decode's math."""
+
+    def __init__(self, cfg: VAEConfig, *, dtype: torch.dtype | None = None, seqlen_hint: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.post_quant_conv = (nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1)
+                                if cfg.use_post_quant_conv else None)
+        self.decoder = Decoder(cfg, dtype, seqlen_hint)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return self.decoder(z)

@@ -1,0 +1,137 @@
+"""Tiled decoding: tile placement, linear seam blending, tiled vs untiled, AUTO decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modalmesh import tiny
+from services.vae.config import VAEConfig
+from services.vae.engine import AUTO, OFF, ON, TilingDefaults, TilingRequest, VAEEngine
+from services.vae.tiling import TileGrid, ramp_weights, tile_starts, tiled_decode
+from services.vae.weights import build_decoder, load_decoder
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("size, tile, overlap", [(5, 8, 2), (8, 8, 2), (9, 8, 2), (24, 8, 2), (25, 8, 3),
+                                                 (100, 16, 4), (33, 16, 8), (17, 16, 15)])
+def test_tiles_cover_the_latent_with_at_least_the_requested_overlap(size, tile, overlap):
+    starts = tile_starts(size, tile, overlap)
+    span = min(tile, size)
+    assert starts[0] == 0 and starts[-1] + span == size  # the last tile ends at the far edge, full size
+    assert list(starts) == sorted(set(starts))
+    for a, b in zip(starts, starts[1:]):
+        assert tile - (b - a) >= overlap  # consecutive tiles overlap by at least `overlap`
+
+
+def test_ramp_weights_of_neighbours_sum_to_one():
+    starts = tile_starts(40, 16, 4)
+    weights = ramp_weights(starts, 16, scale=2)
+    total = torch.zeros(80)
+    for s, w in zip(starts, weights):
+        total[s * 2:(s + 16) * 2] += w
+    torch.testing.assert_close(total, torch.ones(80))
+    assert weights[0][0] == 1 and weights[-1][-1] == 1  # no ramp at the image border
+
+
+def _upsample(scale):
+    return lambda z: F.interpolate(z[:, :3], scale_factor=scale, mode="nearest")
+
+
+@pytest.mark.parametrize("h, w, tile, overlap, batch", [(20, 13, 8, 2, 1), (31, 31, 8, 4, 3), (7, 30, 6, 1, 5)])
+def test_pointwise_decoder_tiles_to_exactly_the_untiled_image(h, w, tile, overlap, batch):
+    # With a decoder that looks at one latent pixel per output pixel, any correct placement and
+    # any weights that are normalised reproduce the untiled output exactly.
+    torch.manual_seed(0)
+    z = torch.randn(2, 4, h, w)
+    grid = TileGrid.plan(h, w, tile=tile, overlap=overlap)
+    out = tiled_decode(_upsample(4), z, grid, scale=4, tile_batch=batch)
+    torch.testing.assert_close(out, _upsample(4)(z), atol=1e-6, rtol=0)
+
+
+def test_seams_are_linear_cross_fades():
+    # Each tile decodes to a constant (its own index): the output must ramp linearly from one
+    # tile's value to the next across every overlap, and be flat elsewhere.
+    grid = TileGrid.plan(1, 20, tile=8, overlap=4)
+    assert grid.xs == (0, 4, 8, 12)
+    scale = 2
+    values = iter(range(100))
+
+    def decode(crops):
+        return torch.stack([torch.full((3, crops.shape[2] * scale, crops.shape[3] * scale), float(next(values)))
+                            for _ in crops])
+
+    row = tiled_decode(decode, torch.zeros(1, 4, 1, 20), grid, scale=scale, tile_batch=1)[0, 0, 0]
+    steps = row.diff()
+    assert row[0] == 0 and row[-1] == 3
+    # Overlap of 4 latent = 8 pixels; neighbours differ by 1, so each step is 1/8.
+    assert torch.all(steps >= -1e-6) and steps.max() <= 1 / 8 + 1e-6
+    torch.testing.assert_close(row[8:16], (torch.arange(8) + 0.5) / 8)  # tile 0 -> 1 across pixels 8..15
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    vae_dir = tiny.ensure("vae", tmp_path_factory.mktemp("tiling"))
+    cfg = VAEConfig.from_dir(vae_dir)
+    model = build_decoder(cfg, dtype=torch.float32)
+    load_decoder(model, vae_dir, device=CPU, dtype=torch.float32, metrics=False)
+    return VAEEngine(cfg, model, device=CPU, dtype=torch.float32), vae_dir
+
+
+def test_defaults_follow_diffusers_tile_size(engine):
+    eng, _ = engine
+    assert eng.tiling == TilingDefaults(tile=16, overlap=4, threshold=16, batch=4)  # sample_size 32 / x2
+
+
+def test_tiled_is_close_to_untiled_and_closer_than_diffusers_tiled_decode(engine):
+    diffusers = pytest.importorskip("diffusers")
+    eng, vae_dir = engine
+    ref = diffusers.AutoencoderKL.from_pretrained(vae_dir).eval()
+    ref.enable_tiling()  # its tiles: 16 latent, overlap 0.25 (4 latent): the same as ours here
+    torch.manual_seed(0)
+    z = torch.randn(2, 4, 24, 20)
+    untiled = eng.decode(z, TilingRequest(mode=OFF))
+    tiled = eng.decode(z, TilingRequest(mode=ON))
+    assert (untiled.tiles, tiled.tiles) == (1, 4)
+    with torch.inference_mode():
+        theirs = ref.decode(z).sample
+    ours_err, their_err = (tiled.pixels - untiled.pixels).abs(), (theirs - untiled.pixels).abs()
+    # diffusers' own tiling test accepts a max difference below 0.5 on tiny random VAEs.
+    assert ours_err.max() < 0.5 and ours_err.mean() < 0.05
+    assert ours_err.mean() < their_err.mean()
+
+
+def test_one_tile_is_the_untiled_decode_and_tile_batching_changes_nothing(engine):
+    eng, _ = engine
+    torch.manual_seed(1)
+    z = torch.randn(3, 4, 10, 12)
+    untiled = eng.decode(z, TilingRequest(mode=OFF)).pixels
+    one = eng.decode(z, TilingRequest(mode=ON, tile=16))
+    assert one.tiles == 1
+    torch.testing.assert_close(one.pixels, untiled, atol=1e-5, rtol=0)
+    many = eng.decode(z, TilingRequest(mode=ON, tile=6, overlap=2))  # 4 crops per decoder call
+    eng.tiling = TilingDefaults(tile=16, overlap=4, threshold=16, batch=1)
+    try:
+        single = eng.decode(z, TilingRequest(mode=ON, tile=6, overlap=2))
+    finally:
+        eng.tiling = TilingDefaults(tile=16, overlap=4, threshold=16, batch=4)
+    assert many.tiles == single.tiles == 2 * 3  # rows start at 0, 4; columns at 0, 4, 6
+    torch.testing.assert_close(many.pixels, single.pixels, atol=1e-5, rtol=0)
+
+
+def test_auto_tiles_beyond_the_threshold_or_the_memory_budget(engine):
+    eng, _ = engine
+    assert not eng.should_tile(1, 16, 16, TilingRequest(AUTO))
+    assert eng.should_tile(1, 17, 8, TilingRequest(AUTO))
+    assert eng.should_tile(1, 4, 4, TilingRequest(ON)) and not eng.should_tile(1, 64, 64, TilingRequest(OFF))
+    need = eng.untiled_bytes(1, 16, 16)
+    assert eng.untiled_bytes(2, 16, 16) == 2 * need and eng.untiled_bytes(1, 16, 32) > need
+    eng.untiled_budget_bytes = need - 1
+    try:
+        assert eng.should_tile(1, 16, 16, TilingRequest(AUTO))  # would not fit: tiled even under the threshold
+        result = eng.decode(torch.randn(1, 4, 16, 16), TilingRequest(AUTO, tile=8))
+        assert result.tiles == 9
+    finally:
+        eng.untiled_budget_bytes = 0
