@@ -29,12 +29,8 @@ def checkpoints(tmp_path_factory):
     """The model each service serves here: one tiny Qwen2-VL checkpoint shared by the LLM and the vision
     encoder (as pods of one real checkpoint would), its own for the others; None = started without one."""
     root = tmp_path_factory.mktemp("ckpts")
-    placeholder = root / "placeholder"
-    placeholder.mkdir()
-    (placeholder / "config.json").write_text(json.dumps({"architectures": ["Placeholder"]}))
-    save_file({"w": torch.zeros(2, 2)}, str(placeholder / "model.safetensors"))
     qwen2_vl = tiny.ensure("qwen2_vl", root)
-    return {"llm": qwen2_vl, "vision_encoder": qwen2_vl, "audio_encoder": None, "vae": placeholder}
+    return {"llm": qwen2_vl, "vision_encoder": qwen2_vl, "audio_encoder": None, "vae": tiny.ensure("vae", root)}
 
 
 def _model_flags(path):
@@ -93,23 +89,30 @@ def test_pods_of_one_checkpoint_share_a_fingerprint(running, checkpoints):
     assert len({p for prints in by_dir.values() for p in prints}) == len(by_dir)  # different checkpoints differ
 
 
-@pytest.mark.parametrize(
-    "name, call",
-    [
-        ("audio_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
-        ("vae", lambda ch: pb.vae_pb2_grpc.VAEServiceStub(ch).Decode(pb.DecodeRequest(), timeout=10)),
-    ],
-)
-def test_rpcs_without_a_servable_model_fail_cleanly(running, checkpoints, name, call):
-    with grpc.insecure_channel(running[name].target) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            call(channel)
-    if checkpoints[name] is None:
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "start it with --model DIR" in err.value.details()
-    else:
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "not available yet" in err.value.details()
+WITHOUT_MODEL_CALLS = {
+    "llm": lambda ch: list(pb.llm_pb2_grpc.LLMServiceStub(ch).Generate(pb.GenerateRequest(text="hi"), timeout=10)),
+    "vision_encoder": lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(
+        pb.EncodeRequest(items=[pb.EncodeItem(data=b"x")]), timeout=10),
+    "audio_encoder": lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(
+        pb.EncodeRequest(items=[pb.EncodeItem(data=b"x")]), timeout=10),
+    "vae": lambda ch: pb.vae_pb2_grpc.VAEServiceStub(ch).Decode(pb.DecodeRequest(), timeout=10),
+}
+
+
+def test_services_started_without_a_model_serve_health_and_refuse_work_clearly():
+    procs = {name: ServiceProcess(name, COMMON).start() for name in SERVICES}
+    try:
+        for name, proc in procs.items():
+            proc.wait_serving(timeout=120)
+            with grpc.insecure_channel(proc.target) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    WITHOUT_MODEL_CALLS[name](channel)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
+            assert "--model" in err.value.details()
+    finally:
+        for proc in procs.values():
+            proc.send_sigterm()
+        assert {name: proc.terminate(timeout=30) for name, proc in procs.items()} == {n: 0 for n in SERVICES}
 
 
 def test_llm_generates(running):
