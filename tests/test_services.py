@@ -7,9 +7,7 @@ import urllib.request
 
 import grpc
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import save_file
 
 from modalmesh import pb, tiny
 from modalmesh.launcher import ServiceProcess
