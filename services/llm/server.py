@@ -1,10 +1,29 @@
-"""LLMService: thin gRPC servicer over the generation engine."""
+"""LLMService: a thin gRPC servicer over the generation engine.
+
+Generate validates and tokenises the request, splices multimodal embeddings,
+hands it to the engine and streams its deltas. A cancelled call (client gone,
+deadline passed) aborts the request, which frees its KV pages.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import uuid
+
+import torch
+
 from modalmesh import pb
-from modalmesh.errors import Unimplemented
+from modalmesh.config import ModelConfig
+from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
+from modalmesh.kv.pool import build_kv_pool
 from modalmesh.service import Service
+from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
+from services.llm.inputs import splice_items, tokenize_prompt
+from services.llm.sampling import SamplingParams
+
+_FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
+CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
 
 
 class LLMServicer(pb.llm_pb2_grpc.LLMServiceServicer):
@@ -12,8 +31,8 @@ class LLMServicer(pb.llm_pb2_grpc.LLMServiceServicer):
         self.service = service
 
     async def Generate(self, request, context):
-        raise Unimplemented("Generate is not available yet: this build serves no language model")
-        yield  # pragma: no cover - makes this an async generator like the real one
+        async for response in self.service.generate(request):
+            yield response
 
     async def Info(self, request, context):
         return self.service.info()
@@ -25,5 +44,119 @@ class LLMService(Service):
     description = "modalmesh LLM service: streaming multimodal generation."
     max_message_mb = 256  # requests carry precomputed embeddings
 
+    def __init__(self, args: argparse.Namespace, metrics):
+        super().__init__(args, metrics)
+        self.engine: LLMEngine | None = None
+        self.config: ModelConfig | None = None
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.spatial_merge = 2
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit")
+        parser.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size (default: from memory)")
+        parser.add_argument("--mem-fraction", type=float, default=0.9, help="share of free GPU memory for the pool")
+        parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in the running batch")
+        parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one step")
+        parser.add_argument("--max-prefill-chunk", type=int, default=None, help="longest prompt chunk of one step")
+        parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this: RESOURCE_EXHAUSTED")
+
     def register(self, server) -> None:
         server.add_service(self.grpc_service, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server, LLMServicer(self))
+
+    async def load(self) -> None:
+        await super().load()
+        if self.model_dir is None:
+            return
+        await asyncio.to_thread(self._load)
+        self.engine.start()
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        from services.llm.loader import load_llm
+
+        model, cfg, _report = load_llm(self.model_dir, device=self.device, dtype=self.dtype,
+                                       page_size=self.args.page_size, dummy=self.args.dummy_weights)
+        self.config = cfg
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        except Exception as exc:  # noqa: BLE001 - say which file is missing rather than a transformers trace
+            raise ConfigError(f"--model {self.model_dir}: cannot load its tokenizer ({exc})") from exc
+        if getattr(model, "uses_mrope", False):
+            self.spatial_merge = int(ModelConfig.from_hf(self.model_dir, part="vision").get("spatial_merge_size", 2))
+        limit = cfg.max_position_embeddings or 0
+        self.max_model_len = self.args.max_model_len or limit
+        if not self.max_model_len:
+            raise ConfigError("the config has no max_position_embeddings: pass --max-model-len")
+        kv_tokens = self.args.kv_cache_tokens
+        if kv_tokens is None and self.device.type == "cpu":
+            kv_tokens = max(CPU_DEFAULT_KV_TOKENS, self.max_model_len)
+        pool = build_kv_pool(cfg, self.device, max_model_len=self.max_model_len, dtype=self.dtype,
+                             page_size=self.args.page_size, kv_cache_tokens=kv_tokens,
+                             mem_fraction=self.args.mem_fraction, metrics=self.metrics)
+        eos = tuple(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos += (self.tokenizer.eos_token_id,)
+        self.engine = LLMEngine(model, pool, self.tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
+                                max_model_len=self.max_model_len, device=self.device, metrics=self.metrics,
+                                max_num_seqs=self.args.max_num_seqs, max_batch_tokens=self.args.max_batch_tokens,
+                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    def info(self) -> pb.ServiceInfo:
+        info = super().info()
+        if self.config is not None:
+            info.architecture = ",".join(self.config.architectures)
+            info.hidden_size = self.config.hidden_size
+            info.vocab_size = self.config.vocab_size or 0
+            info.max_model_len = self.max_model_len
+        if self.engine is not None:
+            pool = self.engine.pool
+            info.pools.append(pb.PoolInfo(name="kv", capacity_tokens=pool.allocator.capacity_tokens,
+                                          used_tokens=pool.allocator.used_tokens, bytes=pool.nbytes,
+                                          page_size=pool.page_size, dtype=str(self.dtype).removeprefix("torch.")))
+        return info
+
+    async def generate(self, request: pb.GenerateRequest):
+        if self.engine is None:
+            raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
+        cfg = self.config
+        params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size)
+        ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
+        prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
+                              spatial_merge=self.spatial_merge)
+        for span in prompt.spans:
+            span.embedding = span.embedding.to(self.device, self.dtype)
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[Delta] = asyncio.Queue()
+        rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        self.engine.add(rid, prompt, params, thread_safe_emitter(loop, out))
+        finished = False
+        try:
+            while not finished:
+                delta = await out.get()
+                if delta.error is not None:
+                    finished = True
+                    if isinstance(delta.error, ModalmeshError):
+                        raise delta.error
+                    raise RuntimeError(f"generation failed: {type(delta.error).__name__}") from delta.error
+                finished = delta.finish_reason is not None
+                yield _response(delta)
+        finally:
+            if not finished:  # cancelled: the client went away or the deadline passed
+                self.engine.abort(rid)
+
+
+def _response(delta: Delta) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs)
+    if delta.finish_reason is not None:
+        response.finish_reason = _FINISH[delta.finish_reason]
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+    return response

@@ -1,0 +1,180 @@
+"""LLM decode throughput: our engine vs Hugging Face `generate`, same GPU, same run, beside the limit.
+
+    python bench/llm.py              # Qwen2.5-7B shape, bf16, random weights, 128 in / 128 out
+    python bench/llm.py --quick      # tiny shape on CPU (checks the script, not speed)
+
+Prints output tokens/s at batch 1, 32 and the largest batch that fits, for ours
+and HF, plus the memory-bandwidth limit at batch 1 (weight bytes / measured
+device copy bandwidth) and time to first token of a 2k-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from modalmesh import tiny  # noqa: E402
+from modalmesh.kv.pool import build_kv_pool  # noqa: E402
+from modalmesh.metrics import Metrics  # noqa: E402
+from services.llm.engine import LLMEngine  # noqa: E402
+from services.llm.inputs import PreparedPrompt  # noqa: E402
+from services.llm.loader import load_llm  # noqa: E402
+from services.llm.sampling import SamplingParams  # noqa: E402
+
+QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+QUICK = dict(QWEN25_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted once each)."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    start, n = time.perf_counter(), 10
+    for _ in range(n):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * n / (time.perf_counter() - start)
+
+
+def make_checkpoint(shape: dict) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="bench-llm-"))
+    (root / "config.json").write_text(json.dumps(shape))
+    tiny.build_tokenizer(tiny.QWEN_SPECIALS, eos="<|im_end|>").save_pretrained(root)
+    return root
+
+
+def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(output tokens/s, mean time to first token) for all prompts submitted at once."""
+    import queue
+
+    outs = [queue.Queue() for _ in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add(f"b{i}", PreparedPrompt(list(ids)), params, outs[i].put)
+    total, ttft = 0, []
+    for q in outs:
+        first = None
+        while True:
+            delta = q.get(timeout=600)
+            if delta.error is not None:
+                raise delta.error
+            if first is None and delta.token_ids:
+                first = time.perf_counter() - start
+            total += len(delta.token_ids)
+            if delta.finish_reason:
+                break
+        ttft.append(first)
+    return total / (time.perf_counter() - start), sum(ttft) / len(ttft)
+
+
+def run_hf(model, prompts: list[list[int]], new_tokens: int, device) -> float:
+    ids = torch.tensor(prompts, device=device)
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        sync(device)
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = QUICK if args.quick else QWEN25_7B
+    ckpt = make_checkpoint(shape)
+    batches = [int(b) for b in args.batches.split(",")]
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n, length=args.prompt_len):
+        return torch.randint(0, shape["vocab_size"], (n, length), generator=g).tolist()
+
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}  torch {torch.__version__}  "
+          f"shape {'quick' if args.quick else 'Qwen2.5-7B'}  {dtype}  {args.prompt_len} in / {args.new_tokens} out")
+    model, cfg, report = load_llm(ckpt, device=device, dtype=dtype, dummy=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    max_len = args.prompt_len + args.new_tokens
+    kv_tokens = max(batches) * max_len + 4096 if device.type == "cpu" else None
+    pool = build_kv_pool(cfg, device, max_model_len=max(max_len, 2048 + 8), dtype=dtype,
+                         kv_cache_tokens=kv_tokens, mem_fraction=0.5, metrics=Metrics("llm", process_metrics=False))
+    engine = LLMEngine(model, pool, tokenizer, eos_token_ids=(), vocab_size=cfg.vocab_size,
+                       max_model_len=max(max_len, 2048 + 8), device=device, metrics=pool.metrics,
+                       max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8))
+    engine.start()
+    run_ours(engine, prompts(2, 16), 4)  # warm-up
+    print(f"attention backend (llm): {model_backend(model)}; KV pool {pool.allocator.capacity_tokens} tokens")
+    bw = copy_bandwidth(device)
+    limit = bw / weight_bytes
+    print(f"weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s; batch-1 limit {limit:.0f} tok/s")
+    ours = {}
+    for b in batches:
+        ours[b] = run_ours(engine, prompts(b), args.new_tokens)
+    _, ttft_2k = run_ours(engine, prompts(1, 2048), 1)
+    engine.stop()
+    del engine, model, pool
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    hf = {}
+    if not args.no_hf:
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        hf_cfg = Qwen2Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
+        with torch.device(device):
+            hf_model = Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+        for b in batches:
+            try:
+                hf[b] = run_hf(hf_model, prompts(b), args.new_tokens, device)
+            except torch.OutOfMemoryError:
+                hf[b] = float("nan")
+                torch.cuda.empty_cache()
+    print(f"\n{'batch':>6} {'ours tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'ours TTFT ms':>13}")
+    for b in batches:
+        tps, ttft = ours[b]
+        h = hf.get(b, float("nan"))
+        print(f"{b:>6} {tps:>12.1f} {h:>10.1f} {tps / h if h == h else float('nan'):>7.1f}x {ttft * 1e3:>13.1f}")
+    print(f"batch-1 limit {limit:.0f} tok/s: ours at {ours[batches[0]][0] / limit * 100:.1f}% of it")
+    print(f"TTFT of a 2048-token prompt, idle engine: {ttft_2k * 1e3:.1f} ms")
+    return 0
+
+
+def model_backend(model) -> str:
+    for m in model.modules():
+        if hasattr(m, "backend_name"):
+            return m.backend_name
+    return "?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

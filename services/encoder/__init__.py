@@ -1,0 +1,1 @@
+"""What the vision and the audio encoder share: the model contract, batching, the cache, the servicer."""

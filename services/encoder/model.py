@@ -1,0 +1,48 @@
+"""The contract between an encoder model (vision or audio) and the shared service layer.
+
+A model prepares items on the CPU (decode, resize, resample, features) and
+encodes whole batches on its device. The service layer does the rest: thread
+pool for `prepare`, cache lookups, batching across requests, splitting results
+back, protos and metrics.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from modalmesh import pb
+
+
+@dataclass
+class PreparedItem:
+    """CPU-side result of preprocessing one EncodeItem."""
+
+    inputs: dict[str, torch.Tensor]  # what encode() needs for this item
+    cost: int  # its size for the batch budget (patches, mel frames)
+    cache_key: bytes  # hash of the content and of every parameter that changes the output
+    meta: dict = field(default_factory=dict)  # e.g. {"grid_thw": (t, h, w)} or {"valid_length": n}
+
+
+@dataclass
+class EncodedItem:
+    embedding: torch.Tensor  # (rows, output_hidden_size); rows == placeholder tokens the LLM reserves
+    grid_thw: tuple[int, ...] = ()
+    valid_length: int = 0
+
+
+class EncoderModel(ABC):
+    modality: int = pb.MODALITY_UNSPECIFIED
+    hidden_size: int = 0  # the tower's width
+    output_hidden_size: int = 0  # width of the returned rows (the LLM's hidden size after merger/projector)
+    architecture: str = ""
+
+    @abstractmethod
+    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+        """CPU preprocessing; bad input raises InvalidArgument("items[index]: ..."). Thread-safe."""
+
+    @abstractmethod
+    def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
+        """One forward over the batch (packed, no per-item loops over layers); results in input order."""

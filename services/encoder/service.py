@@ -1,0 +1,146 @@
+"""EncoderService, shared by the vision and the audio encoder.
+
+Encode: prepare every item in a thread pool (bad input fails the request with
+INVALID_ARGUMENT naming the item), answer cached items from the embedding
+cache, batch the misses with other requests' (`Batcher`), run the model, and
+return one `Embedding` per item in request order. A subclass only builds its
+model (`build_model`) and may add flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import FailedPrecondition, InvalidArgument
+from modalmesh.rpc.codec import to_proto
+from modalmesh.rpc.server import MiB
+from modalmesh.service import Service
+from services.encoder.batcher import Batcher
+from services.encoder.cache import EmbeddingCache
+from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+
+
+class EncoderServicer(pb.encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self, service: EncoderService):
+        self.service = service
+
+    async def Encode(self, request, context):
+        return await self.service.encode(request)
+
+    async def Info(self, request, context):
+        return self.service.info()
+
+
+class EncoderService(Service):
+    grpc_service = pb.ENCODER_SERVICE
+    max_message_mb = 128
+
+    def __init__(self, args: argparse.Namespace, metrics):
+        super().__init__(args, metrics)
+        self.model: EncoderModel | None = None
+        self.cache: EmbeddingCache | None = None
+        self.batcher: Batcher | None = None
+        self._pool = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                            help="batch budget in patches (vision) or mel frames (audio)")
+        parser.add_argument("--max-batch-items", type=int, default=64)
+        parser.add_argument("--batch-window-ms", type=float, default=2.0,
+                            help="how long a batch waits for concurrent requests to join")
+        parser.add_argument("--max-queue", type=int, default=1024, help="queued items beyond this: RESOURCE_EXHAUSTED")
+        parser.add_argument("--max-items-per-request", type=int, default=64)
+        parser.add_argument("--cache-mb", type=int, default=256, help="embedding cache size (0 disables)")
+        parser.add_argument("--preprocess-threads", type=int, default=4)
+
+    # -- hooks for the vision / audio subclass ---------------------------------------------
+    def build_model(self) -> EncoderModel:
+        """Build and load the model from self.model_dir (runs in a thread)."""
+        raise NotImplementedError
+
+    # -- life cycle -------------------------------------------------------------------------
+    def register(self, server) -> None:
+        server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server,
+                           EncoderServicer(self))
+
+    async def load(self) -> None:
+        await super().load()
+        if self.model_dir is None:
+            return
+        self.model = await asyncio.to_thread(self.build_model)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.cache = EmbeddingCache(self.args.cache_mb * MiB, bytes_per_row=self.model.output_hidden_size * itemsize,
+                                    metrics=self.metrics)
+        self.batcher = Batcher(self._encode_batch, max_batch_tokens=self.args.max_batch_tokens,
+                               max_batch_items=self.args.max_batch_items, window_s=self.args.batch_window_ms / 1e3,
+                               max_queue=self.args.max_queue, metrics=self.metrics)
+        self.batcher.start()
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def info(self) -> pb.ServiceInfo:
+        info = super().info()
+        if self.model is not None:
+            info.architecture = self.model.architecture
+            info.hidden_size = self.model.hidden_size
+            info.output_hidden_size = self.model.output_hidden_size
+        if self.cache is not None:
+            info.pools.append(self.cache.info(str(self.dtype).removeprefix("torch.")))
+        return info
+
+    # -- Encode -----------------------------------------------------------------------------
+    def _encode_batch(self, batch: list[PreparedItem]) -> list[pb.Embedding]:
+        """Worker thread: one model call, then the protos (tensor bytes copied off the device here)."""
+        with torch.inference_mode():
+            results: list[EncodedItem] = self.model.encode(batch)
+        return [
+            pb.Embedding(embedding=to_proto(r.embedding), grid_thw=list(r.grid_thw),
+                         num_placeholder_tokens=int(r.embedding.shape[0]), valid_length=int(r.valid_length))
+            for r in results
+        ]
+
+    async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse:
+        if self.model is None:
+            raise FailedPrecondition(f"{self.name} serves no model: start it with --model DIR")
+        n = len(request.items)
+        if n == 0:
+            raise InvalidArgument("items: the request has no items")
+        if n > self.args.max_items_per_request:
+            raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.args.max_items_per_request}")
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self.model.prepare, item, i) for i, item in enumerate(request.items))
+        )
+        out: list[pb.Embedding | None] = [None] * n
+        misses: dict[bytes, list[int]] = {}
+        for i, p in enumerate(prepared):
+            if p.cache_key in misses:  # the same content twice in one request: encode once
+                misses[p.cache_key].append(i)
+                continue
+            hit = self.cache.get(p.cache_key)
+            if hit is not None:
+                out[i] = hit
+            else:
+                misses[p.cache_key] = [i]
+        if misses:
+            encoded = await self.batcher.submit([prepared[idx[0]] for idx in misses.values()])
+            for (key, indices), message in zip(misses.items(), encoded):
+                self.cache.put(key, message)
+                for i in indices:
+                    out[i] = message
+        response = pb.EncodeResponse(embeddings=out, model_id=self.model_id,
+                                     weights_fingerprint=self.weights_fingerprint, modality=self.modality)
+        modality = pb.Modality.Name(self.modality).lower()
+        self.metrics.encoded_items_total.labels(modality=modality).inc(n)
+        self.metrics.transfer_bytes_total.labels(direction="sent").inc(
+            sum(len(e.embedding.data) for e in response.embeddings))
+        return response

@@ -1,0 +1,234 @@
+"""The generation engine: a worker thread that runs scheduler steps over the model.
+
+The gRPC side (asyncio) adds requests and aborts through a thread-safe inbox;
+the worker drains it between steps — so new requests join the running batch
+between decode steps — schedules, runs the model, samples, detokenises, checks
+stop conditions and pushes deltas back to each request's asyncio queue.
+Finishing, cancelling or a client going away frees the request's KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from modalmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from modalmesh.kv.pool import KVPool
+from modalmesh.metrics import Metrics
+from services.llm.detokenizer import IncrementalDetokenizer
+from services.llm.inputs import PreparedPrompt
+from services.llm.runner import ModelRunner
+from services.llm.sampling import SamplerRow, SamplingParams
+from services.llm.scheduler import Scheduler, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """What one request gets from one step (or at its end)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: BaseException | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    prompt: PreparedPrompt
+    sampler: SamplerRow
+    detokenizer: IncrementalDetokenizer
+    emit: Callable[[Delta], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, model, pool: KVPool, tokenizer, *, eos_token_ids: tuple[int, ...], vocab_size: int,
+                 max_model_len: int, device: torch.device, metrics: Metrics, max_num_seqs: int = 256,
+                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024):
+        self.model = model
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.scheduler = Scheduler(pool.allocator, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                                   max_prefill_chunk=max_prefill_chunk)
+        self.runner = ModelRunner(model, pool, device)
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending = 0  # added but not yet taken by the worker
+        self._lock = threading.Lock()
+        self._live: dict[str, Sequence] = {}
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- called from the event loop ---------------------------------------------------------
+    def add(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams,
+            emit: Callable[[Delta], None]) -> None:
+        n = len(prompt.token_ids)
+        if n == 0:
+            raise InvalidArgument("prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidArgument(f"prompt has {n} tokens; this model's limit is {self.max_model_len} "
+                                  "(prompt + output)")
+        max_tokens = min(params.max_tokens, self.max_model_len - n) if params.max_tokens else self.max_model_len - n
+        if params.max_tokens and n + params.max_tokens > self.max_model_len:
+            raise InvalidArgument(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this model's "
+                                  f"limit of {self.max_model_len} tokens")
+        with self._lock:
+            waiting = self._pending + self.scheduler.num_waiting
+            if waiting >= self.max_queue:
+                raise ResourceExhausted(f"the LLM queue is full ({waiting} requests waiting, --max-queue "
+                                        f"{self.max_queue})")
+            self._pending += 1
+        state = RequestState(
+            request_id, params, prompt, SamplerRow.create(params, prompt.token_ids, self.device),
+            IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special_tokens=params.skip_special_tokens,
+                                   stop=params.stop),
+            emit,
+        )
+        self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, payload=state)))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # -- worker thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            block = not self.scheduler.has_work()
+            try:
+                while True:
+                    kind, value = self._inbox.get(block=block)
+                    block = False
+                    if kind == "stop":
+                        self._abort_all("the LLM service is shutting down")
+                        return
+                    if kind == "add":
+                        with self._lock:
+                            self._pending -= 1
+                        self._live[value.seq_id] = value
+                        self.scheduler.add(value)
+                    elif kind == "abort":
+                        seq = self._live.pop(value, None)
+                        if seq is not None:
+                            self.scheduler.finish(seq, "abort")
+            except queue.Empty:
+                pass
+            if self.scheduler.has_work():
+                self._step()
+            self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        if not step.chunks:  # cannot happen while max_model_len fits the pool; never spin on it
+            self._fail([self.scheduler.waiting[0]], ResourceExhausted("no KV pages for this request"))
+            return
+        for seq in step.preempted:
+            log.info("preempted %s (KV pool full); it will be recomputed", seq.seq_id)
+        try:
+            sampled = self.runner.run(step)
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+            log.exception("engine step failed")
+            self._fail([c.seq for c in step.chunks], exc)
+            return
+        self.steps += 1
+        self.metrics.batch_size.observe(len(step.chunks))
+        self.metrics.batch_tokens.observe(step.num_tokens)
+        self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
+        self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in sampled})
+        now = time.perf_counter()
+        for s in sampled:
+            self._on_token(s.chunk.seq, s.token, s.logprob, now)
+        self.pool.publish()
+
+    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
+        state: RequestState = seq.payload
+        params = state.params
+        if state.last_token_at is None:
+            self.metrics.time_to_first_token_seconds.observe(now - state.arrival)
+        else:
+            self.metrics.time_per_output_token_seconds.observe(now - state.last_token_at)
+        state.last_token_at = now
+        self.metrics.generation_tokens_total.inc()
+        state.sampler.observe(token)
+        finish = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            finish = "stop"
+            text = state.detokenizer.finish()
+        else:
+            text = state.detokenizer.add(token)
+            if state.detokenizer.stopped:
+                finish = "stop"
+            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+                text += state.detokenizer.finish()
+        delta = Delta([token], text, [logprob] if params.logprobs else [])
+        if finish is not None:
+            self._live.pop(seq.seq_id, None)
+            self.scheduler.finish(seq, finish)
+            delta.finish_reason = finish
+            delta.prompt_tokens = len(seq.prompt_ids)
+            delta.completion_tokens = len(seq.output_ids)
+        state.emit(delta)
+
+    def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
+        for seq in seqs:
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            self._live.pop(seq.seq_id, None)
+            self.scheduler.finish(seq, "abort")
+            seq.payload.emit(Delta(finish_reason="abort", error=exc))
+        self.pool.publish()
+
+    def _abort_all(self, why: str) -> None:
+        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), Unavailable(why))
+        while True:
+            try:
+                kind, value = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                value.payload.emit(Delta(finish_reason="abort", error=Unavailable(why)))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+
+def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> Callable[[Delta], None]:
+    def emit(delta: Delta) -> None:
+        loop.call_soon_threadsafe(out.put_nowait, delta)
+
+    return emit
+
+
+__all__ = ["Delta", "LLMEngine", "SeqStatus", "thread_safe_emitter"]

@@ -1,0 +1,183 @@
+"""Turn a GenerateRequest into what the engine runs: token ids, spliced embeddings, positions.
+
+A placeholder token (``<|image_pad|>`` for images, ``<|AUDIO|>`` for audio) marks
+where an item's embedding rows go. Each item matches the next run of its
+modality's placeholder in the prompt: a run of one token is expanded to the
+item's rows (vLLM style), a run already as long as the rows is taken as is
+(Hugging Face processor style); anything else is an error naming both counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from modalmesh import pb
+from modalmesh.config import ModelConfig
+from modalmesh.errors import FailedPrecondition, InvalidArgument
+from modalmesh.rpc.codec import from_proto
+from services.llm.mrope import mrope_positions
+
+_FLOAT_WIRE = {pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16}
+
+
+@dataclass
+class MultimodalSpan:
+    start: int  # index of the first placeholder token in the prompt
+    embedding: torch.Tensor  # (rows, hidden)
+    grid_thw: tuple[int, ...] = ()
+    modality: int = pb.IMAGE
+
+    @property
+    def end(self) -> int:
+        return self.start + self.embedding.shape[0]
+
+
+@dataclass
+class PreparedPrompt:
+    token_ids: list[int]
+    spans: list[MultimodalSpan] = field(default_factory=list)
+    mrope: torch.Tensor | None = None  # (3, len(token_ids)) positions for M-RoPE models
+    mrope_delta: int = 0
+
+
+def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
+    """modality -> placeholder token id, for what this checkpoint supports."""
+    ids = {}
+    if cfg.image_token_id is not None:
+        ids[pb.IMAGE] = cfg.image_token_id
+    if cfg.audio_token_id is not None:
+        ids[pb.AUDIO] = cfg.audio_token_id
+    return ids
+
+
+def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
+    messages, items = [], []
+    for m, message in enumerate(chat.messages):
+        if not message.role:
+            raise InvalidArgument(f"chat.messages[{m}].role is empty")
+        parts = []
+        for part in message.content:
+            if part.HasField("text"):
+                parts.append({"type": "text", "text": part.text})
+            elif part.HasField("item"):
+                kind = {pb.IMAGE: "image", pb.AUDIO: "audio"}.get(part.item.modality)
+                if kind is None:
+                    raise InvalidArgument(f"chat.messages[{m}]: an item has no modality (IMAGE or AUDIO)")
+                parts.append({"type": kind})
+                items.append(part.item)
+        # Text-only messages as plain strings: every chat template understands those.
+        if all(p["type"] == "text" for p in parts):
+            messages.append({"role": message.role, "content": "".join(p["text"] for p in parts)})
+        else:
+            messages.append({"role": message.role, "content": parts})
+    return messages, items
+
+
+def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], list[pb.MultimodalItem]]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return list(tokenizer(request.text)["input_ids"]), list(request.items)
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"token_ids: {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        return ids, list(request.items)
+    if kind == "chat":
+        if request.items:
+            raise InvalidArgument("items: with a chat prompt, put items inside the messages")
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt")
+        messages, items = _chat_messages(request.chat)
+        add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), items
+    raise InvalidArgument("prompt: give text, token_ids or chat")
+
+
+def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if item.WhichOneof("source") == "input":
+        flag = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}.get(item.modality, "an encoder flag")
+        raise FailedPrecondition(f"items[{index}]: raw input needs an encoder pool, and this LLM service was "
+                                 f"started without {flag}; send a precomputed embedding instead")
+    if item.WhichOneof("source") != "embedding":
+        raise InvalidArgument(f"items[{index}]: no embedding")
+    message = item.embedding.embedding
+    if message.dtype not in _FLOAT_WIRE:
+        raise InvalidArgument(f"items[{index}].embedding: dtype {pb.DType.Name(message.dtype) if message.dtype in pb.DType.values() else message.dtype} "
+                              "is not a float type (FLOAT32, FLOAT16, BFLOAT16)")
+    tensor = from_proto(message, name=f"items[{index}].embedding")
+    if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
+        raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
+                              f"(rows, {hidden_size})")
+    if tensor.shape[0] == 0:
+        raise InvalidArgument(f"items[{index}].embedding has no rows")
+    rows = item.embedding.num_placeholder_tokens
+    if rows and rows != tensor.shape[0]:
+        raise InvalidArgument(f"items[{index}]: num_placeholder_tokens {rows} != embedding rows {tensor.shape[0]}")
+    return tensor, tuple(item.embedding.grid_thw)
+
+
+def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
+                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
+    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions."""
+    placeholders = placeholder_ids(cfg)
+    for i, item in enumerate(items):
+        if item.modality not in placeholders:
+            name = pb.Modality.Name(item.modality) if item.modality in pb.Modality.values() else item.modality
+            raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
+    runs: list[tuple[int, int, int]] = []  # (modality, start, length) in prompt order
+    token_to_modality = {tok: mod for mod, tok in placeholders.items()}
+    j = 0
+    while j < len(ids):
+        mod = token_to_modality.get(ids[j])
+        if mod is None:
+            j += 1
+            continue
+        k = j
+        while k < len(ids) and ids[k] == ids[j]:
+            k += 1
+        runs.append((mod, j, k - j))
+        j = k
+    by_modality = {m: [r for r in runs if r[0] == m] for m in placeholders}
+    item_counts = {m: sum(1 for it in items if it.modality == m) for m in placeholders}
+    for m in placeholders:
+        if len(by_modality[m]) != item_counts[m]:
+            raise InvalidArgument(f"prompt has {len(by_modality[m])} {pb.Modality.Name(m).lower()} placeholder(s) "
+                                  f"but the request has {item_counts[m]} {pb.Modality.Name(m).lower()} item(s)")
+    # Pair the n-th item of a modality with its n-th run, then rebuild the ids with runs expanded.
+    next_run = {m: iter(by_modality[m]) for m in placeholders}
+    pairs = []
+    for i, item in enumerate(items):
+        emb, grid = _embedding(item, i, cfg.hidden_size)
+        _, start, length = next(next_run[item.modality])
+        rows = emb.shape[0]
+        if length not in (1, rows):
+            raise InvalidArgument(f"items[{i}]: the prompt has {length} placeholder tokens for it but its embedding "
+                                  f"has {rows} rows")
+        pairs.append((start, length, emb, grid, item.modality))
+    pairs.sort(key=lambda p: p[0])
+    out: list[int] = []
+    spans: list[MultimodalSpan] = []
+    cursor = 0
+    for start, length, emb, grid, mod in pairs:
+        out += ids[cursor:start]
+        spans.append(MultimodalSpan(len(out), emb, grid, mod))
+        out += [placeholders[mod]] * emb.shape[0]
+        cursor = start + length
+    out += ids[cursor:]
+    prepared = PreparedPrompt(out, spans)
+    if uses_mrope:
+        image_spans = []
+        for span in spans:
+            if span.modality != pb.IMAGE:
+                continue
+            grid = span.grid_thw
+            if len(grid) != 3 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
+                raise InvalidArgument(f"image at token {span.start}: grid_thw {list(grid)} does not describe its "
+                                      f"{span.embedding.shape[0]} rows (merge {spatial_merge})")
+            image_spans.append((span.start, grid))
+        prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), image_spans, spatial_merge)
+    return prepared

@@ -1,0 +1,49 @@
+"""Build the LLM service's language model from a checkpoint directory.
+
+    model, cfg, report = load_llm("/models/Qwen2-VL-7B-Instruct", device="cuda", dtype=torch.bfloat16)
+
+The model is built on the meta device (no memory), then only the language
+model's tensors are read (the family's ``checkpoint_prefixes``: a multimodal
+checkpoint's vision / audio towers are never opened), mapped by its rules and
+copied strictly into parameters materialised on `device` in `dtype`.
+``dummy=True`` gives random weights of the same shapes (benchmarks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modalmesh.config import ModelConfig
+from modalmesh.errors import ConfigError
+from modalmesh.weights import LoadReport, load_checkpoint
+from services.llm.models import CausalLM, model_class
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dtype:
+    """A torch dtype, a name (``bfloat16``, ``fp16``...), or None / ``auto``: the checkpoint's dtype, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return cfg.dtype if cfg.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ConfigError(f"--dtype {dtype!r}: expected auto or one of {', '.join(_DTYPES)}") from None
+
+
+def load_llm(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype | str | None,
+             page_size: int = 16, dummy: bool = False) -> tuple[CausalLM, ModelConfig, LoadReport]:
+    cfg = ModelConfig.from_hf(model_dir)
+    cls = model_class(cfg)
+    dtype = resolve_dtype(dtype, cfg)
+    with torch.device("meta"):
+        model = cls(cfg, dtype=dtype, page_size=page_size)
+    report = load_checkpoint(model, model_dir, mapper=cls.weights_mapper, stacked=cls.stacked_params,
+                             prefixes=cls.checkpoint_prefixes, device=device, dtype=dtype, dummy=dummy)
+    return model.eval(), cfg, report

@@ -1,0 +1,201 @@
+"""The shared encoder layer (cache, batcher, Encode) with a toy model, through a real gRPC server."""
+
+import asyncio
+import hashlib
+
+import grpc
+import pytest
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument, ResourceExhausted
+from modalmesh.metrics import Metrics
+from modalmesh.rpc.codec import from_proto, to_proto
+from modalmesh.rpc.server import GrpcServer, ServerConfig
+from modalmesh.service import build_parser
+from services.encoder.batcher import Batcher
+from services.encoder.cache import EmbeddingCache
+from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+from services.encoder.service import EncoderService
+
+
+class DoublingModel(EncoderModel):
+    """Rows = the item's samples times two, one row per sample (width 3); records its batches."""
+
+    modality = pb.AUDIO
+    hidden_size = output_hidden_size = 3
+    architecture = "Doubling"
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def prepare(self, item, index):
+        if not item.HasField("pcm"):
+            raise InvalidArgument(f"items[{index}]: expected pcm")
+        x = from_proto(item.pcm, name=f"items[{index}].pcm").float()
+        if not torch.isfinite(x).all():
+            raise InvalidArgument(f"items[{index}]: non-finite samples")
+        return PreparedItem({"x": x}, cost=x.numel(), cache_key=hashlib.sha256(item.pcm.data).digest())
+
+    def encode(self, batch):
+        self.batches.append(len(batch))
+        packed = torch.cat([p.inputs["x"] for p in batch]) * 2  # one op over the whole batch
+        rows = packed[:, None].expand(-1, 3)
+        return [EncodedItem(r.clone(), valid_length=r.shape[0]) for r in rows.split([p.cost for p in batch])]
+
+
+class ToyEncoderService(EncoderService):
+    name = "audio_encoder"
+    modality = pb.AUDIO
+
+    def build_model(self):
+        return DoublingModel()
+
+
+def _item(values):
+    return pb.EncodeItem(pcm=to_proto(torch.tensor(values, dtype=torch.float32)), sample_rate=16000)
+
+
+# -- cache --------------------------------------------------------------------------------------
+def test_cache_is_lru_bounded_in_bytes_and_reports_the_pool():
+    metrics = Metrics("audio_encoder", process_metrics=False)
+    one = pb.Embedding(embedding=to_proto(torch.ones(4, 3)), num_placeholder_tokens=4)
+    size = len(one.SerializeToString())
+    cache = EmbeddingCache(2 * size + 1, bytes_per_row=12, metrics=metrics)
+    cache.put(b"a", one)
+    cache.put(b"b", one)
+    assert cache.get(b"a") is not None  # a is now the most recent
+    cache.put(b"c", one)  # evicts b
+    assert cache.get(b"b") is None and cache.get(b"c").cache_hit
+    assert cache.used_bytes == 2 * size and cache.used_rows == 8
+    get = metrics.registry.get_sample_value
+    labels = {"service": "audio_encoder", "pool": "embedding_cache"}
+    assert get("modalmesh_kv_pool_used_tokens", labels) == 8
+    assert get("modalmesh_cache_hits_total", labels) == 2 and get("modalmesh_cache_misses_total", labels) == 1
+    huge = pb.Embedding(embedding=to_proto(torch.ones(100, 3)), num_placeholder_tokens=100)
+    cache.put(b"huge", huge)  # bigger than the cache: not stored, nothing evicted
+    assert len(cache) == 2
+
+
+# -- batcher ------------------------------------------------------------------------------------
+def _prepared(cost, tag):
+    return PreparedItem({"tag": torch.tensor(tag)}, cost=cost, cache_key=bytes([tag]))
+
+
+def test_batcher_respects_budget_runs_oversized_items_alone_and_keeps_order():
+    async def body():
+        seen = []
+
+        def run(batch):
+            seen.append([int(p.inputs["tag"]) for p in batch])
+            return [int(p.inputs["tag"]) * 10 for p in batch]
+
+        batcher = Batcher(run, max_batch_tokens=10, window_s=0.05)
+        batcher.start()
+        results = await asyncio.gather(
+            batcher.submit([_prepared(4, 1), _prepared(4, 2)]),
+            batcher.submit([_prepared(25, 3)]),
+            batcher.submit([_prepared(3, 4), _prepared(3, 5)]),
+        )
+        await batcher.stop()
+        assert results == [[10, 20], [30], [40, 50]]
+        assert seen == [[1, 2], [3], [4, 5]]  # 4+4 fits, 25 alone, 3+3 together
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_batcher_rejects_when_full_and_delivers_errors_to_the_batch_only():
+    async def body():
+        def run(batch):
+            if any(int(p.inputs["tag"]) == 66 for p in batch):
+                raise RuntimeError("kernel exploded")
+            return [0] * len(batch)
+
+        batcher = Batcher(run, max_batch_tokens=1, max_queue=2, window_s=0.0)
+        with pytest.raises(ResourceExhausted, match="queue is full"):
+            await batcher.submit([_prepared(1, 1), _prepared(1, 2), _prepared(1, 3)])
+        batcher.start()
+        bad, good = await asyncio.gather(batcher.submit([_prepared(1, 66)]), batcher.submit([_prepared(1, 7)]),
+                                         return_exceptions=True)
+        assert isinstance(bad, RuntimeError) and good == [0]
+        await batcher.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+# -- through gRPC -------------------------------------------------------------------------------
+async def _serve(tmp_path, *flags):
+    (tmp_path / "config.json").write_text("{}")
+    parser = build_parser("audio_encoder", "")
+    ToyEncoderService.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tmp_path), "--device", "cpu", *flags])
+    metrics = Metrics("audio_encoder", process_metrics=False)
+    service = ToyEncoderService(args, metrics)
+    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0), metrics)
+    service.register(server)
+    port = await server.start()
+    await service._startup()
+    await server.set_serving(True)
+    return service, server, port, metrics
+
+
+def test_concurrent_requests_batch_together_and_get_their_own_rows(tmp_path):
+    async def body():
+        service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "200")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                requests = [pb.EncodeRequest(items=[_item([i, i + 0.5]), _item([-i] * (i + 1))]) for i in range(6)]
+                replies = await asyncio.gather(*(stub.Encode(r) for r in requests))
+            for i, reply in enumerate(replies):
+                first, second = (from_proto(e.embedding) for e in reply.embeddings)
+                assert torch.equal(first, torch.tensor([[2 * i] * 3, [2 * i + 1] * 3], dtype=torch.float32))
+                assert second.shape == (i + 1, 3) and torch.all(second == -2 * i)
+                assert reply.embeddings[1].num_placeholder_tokens == i + 1
+                assert reply.modality == pb.AUDIO and reply.weights_fingerprint.startswith("sha256:")
+            assert len(service.model.batches) < len(requests)  # they were batched across requests
+            assert sum(service.model.batches) == 12  # every (distinct) item encoded exactly once
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_cache_hits_return_identical_bytes_and_bad_items_fail_cleanly(tmp_path):
+    async def body():
+        service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                first = await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0])]))
+                again = await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0]), _item([1.0, 2.0])]))
+                assert not first.embeddings[0].cache_hit and again.embeddings[0].cache_hit
+                assert again.embeddings[0].embedding.data == first.embeddings[0].embedding.data
+                assert again.embeddings[1].embedding.data == first.embeddings[0].embedding.data
+                assert service.model.batches == [1]  # the repeats never reached the model
+
+                for bad, message in [
+                    (pb.EncodeRequest(items=[_item([1.0]), _item([float("nan")])]), "items[1]: non-finite samples"),
+                    (pb.EncodeRequest(items=[_item([1.0]), pb.EncodeItem(data=b"x")]), "items[1]: expected pcm"),
+                    (pb.EncodeRequest(), "items: the request has no items"),
+                    (pb.EncodeRequest(items=[pb.EncodeItem(pcm=pb.Tensor(dtype=pb.FLOAT32, shape=[2], data=b"1"))]),
+                     "items[0].pcm: data holds 1 bytes"),
+                ]:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Encode(bad)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert message in err.value.details()
+                ok = await stub.Encode(pb.EncodeRequest(items=[_item([3.0])]))  # the service is fine
+                assert from_proto(ok.embeddings[0].embedding).tolist() == [[6.0, 6.0, 6.0]]
+                info = await stub.Info(pb.InfoRequest())
+                assert info.output_hidden_size == 3 and info.pools[0].name == "embedding_cache"
+        finally:
+            await server.stop(0)
+            await service.close()
+        get = metrics.registry.get_sample_value
+        assert get("modalmesh_encoded_items_total", {"service": "audio_encoder", "modality": "audio"}) == 4
+        assert get("modalmesh_requests_total", {"service": "audio_encoder", "rpc": "Encode",
+                                                "code": "INVALID_ARGUMENT"}) == 4
+
+    asyncio.run(asyncio.wait_for(body(), 60))
