@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     selection = ours.module.encoder.layers[0].self_attn.attn.selection
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"Whisper-large-v3 encoder shape{' (quick)' if args.quick else ''}: d_model {shape['d_model']}, "
-          f"{shape['encoder_layers']} layers, {shape['encoder_attention_heads']} heads, ffn {shape['encoder_ffn_dim']}, "
-          f"{shape['num_mel_bins']} mel bins; {args.dtype} on {gpu}")
+          f"{shape['encoder_layers']} layers, {shape['encoder_attention_heads']} heads, "
+          f"ffn {shape['encoder_ffn_dim']}, {shape['num_mel_bins']} mel bins; {args.dtype} on {gpu}")
     print(f"attention (ours): {selection.backend} [{selection.source}] {selection.reason}")
 
     hf = None if args.no_hf else build_hf(shape, device, dtype)

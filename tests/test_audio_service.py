@@ -174,7 +174,8 @@ def test_bad_items_fail_cleanly_while_other_requests_succeed(checkpoints):
         (pb.EncodeItem(pcm=to_proto(torch.zeros(0)), sample_rate=SR), "items[1]: audio holds no samples"),
         (pb.EncodeItem(pcm=to_proto(torch.zeros(100))), "items[1]: pcm needs its sample_rate"),
         (pcm_item(synth(1.0, channels=2).T), "items[1]: pcm shape [16000, 2] has 16000 channels"),
-        (pb.EncodeItem(data=file_item(synth(1.0), SR, "WAV").data, sample_rate=8000), "contradicts the file's 16000 Hz"),
+        (pb.EncodeItem(data=file_item(synth(1.0), SR, "WAV").data, sample_rate=8000),
+         "contradicts the file's 16000 Hz"),
         (pb.EncodeItem(pixels=to_proto(torch.zeros(4, 4, 3, dtype=torch.uint8))), "items[1]: pixels are an image"),
     ]
 

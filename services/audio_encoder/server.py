@@ -25,6 +25,8 @@ class AudioEncoderService(EncoderService):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         super().add_arguments(parser)
+        # 16 windows of 30 s (3000 mel frames each): Whisper-large's best batch on an H200 (bench/audio.py).
+        parser.set_defaults(max_batch_tokens=48000)
         parser.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
                             help="longest clip accepted (longer: INVALID_ARGUMENT)")
         parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
