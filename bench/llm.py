@@ -73,21 +73,23 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tu
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
-        engine.add(f"b{i}", PreparedPrompt(list(ids)), params, outs[i].put)
-    total, ttft = 0, []
+        # Stamp each delta when the engine emits it, not when this loop gets to read it.
+        engine.add(f"b{i}", PreparedPrompt(list(ids)), params, lambda d, q=outs[i]: q.put((time.perf_counter(), d)))
+    total, ttft, end = 0, [], start
     for q in outs:
         first = None
         while True:
-            delta = q.get(timeout=600)
+            stamp, delta = q.get(timeout=600)
             if delta.error is not None:
                 raise delta.error
             if first is None and delta.token_ids:
-                first = time.perf_counter() - start
+                first = stamp - start
             total += len(delta.token_ids)
             if delta.finish_reason:
+                end = max(end, stamp)
                 break
         ttft.append(first)
-    return total / (time.perf_counter() - start), sum(ttft) / len(ttft)
+    return total / (end - start), sum(ttft) / len(ttft)
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int, device) -> float:

@@ -11,7 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
-from modalmesh import pb
+from modalmesh import pb, tiny
 from modalmesh.launcher import ServiceProcess
 from modalmesh.metrics import SCHEMA
 
@@ -25,18 +25,27 @@ COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    (root / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
-    save_file({"w": torch.zeros(2, 2)}, str(root / "model.safetensors"))
-    return root
+def checkpoints(tmp_path_factory):
+    """The model each service serves here: one tiny Qwen2-VL checkpoint shared by the LLM and the vision
+    encoder (as pods of one real checkpoint would), its own for the others; None = started without one."""
+    root = tmp_path_factory.mktemp("ckpts")
+    placeholder = root / "placeholder"
+    placeholder.mkdir()
+    (placeholder / "config.json").write_text(json.dumps({"architectures": ["Placeholder"]}))
+    save_file({"w": torch.zeros(2, 2)}, str(placeholder / "model.safetensors"))
+    return {"llm": tiny.ensure("qwen2_vl", root), "vision_encoder": None, "audio_encoder": None,
+            "vae": placeholder}
+
+
+def _model_flags(path):
+    return [] if path is None else ["--model", str(path)]
 
 
 @pytest.fixture(scope="module")
-def running(checkpoint):
-    # Encoders build their tower from --model, which this placeholder checkpoint lacks: they start without one.
-    procs = {name: ServiceProcess(name, [*COMMON, *([] if name.endswith("encoder") else ["--model", str(checkpoint)])])
-             .start() for name in SERVICES}
+def running(checkpoints):
+    procs = {name: ServiceProcess(name, [*COMMON, "--kv-cache-tokens", "1024", *_model_flags(checkpoints[name])]
+                                  if name == "llm" else [*COMMON, *_model_flags(checkpoints[name])]).start()
+             for name in SERVICES}
     try:
         for proc in procs.values():
             proc.wait_serving(timeout=120)
@@ -49,7 +58,7 @@ def running(checkpoint):
 
 
 @pytest.mark.parametrize("name", list(SERVICES))
-def test_service_answers_info_and_health(running, name):
+def test_service_answers_info_and_health(running, checkpoints, name):
     proc = running[name]
     stub_cls, full_name = SERVICES[name]
     with grpc.insecure_channel(proc.target) as channel:
@@ -61,40 +70,42 @@ def test_service_answers_info_and_health(running, name):
     assert info.service == name
     assert info.ready
     assert info.device == "cpu"
-    if not name.endswith("encoder"):
-        assert info.model_id == "ckpt0"
-        assert info.weights_fingerprint.startswith("sha256:")
     assert info.dtype == "float32"
     assert info.modality == {"vision_encoder": pb.IMAGE, "audio_encoder": pb.AUDIO}.get(name, pb.MODALITY_UNSPECIFIED)
+    if checkpoints[name] is not None:
+        assert info.model_id == checkpoints[name].name
+        assert info.weights_fingerprint.startswith("sha256:")
+    if name == "llm":
+        assert info.hidden_size == 64 and info.vocab_size == tiny.VOCAB_SIZE and info.max_model_len == 512
+        assert info.pools[0].name == "kv" and info.pools[0].capacity_tokens == 1024
+        assert info.attention[0].component == "llm" and info.attention[0].backend
 
 
-def test_pods_of_one_checkpoint_share_a_fingerprint(running):
-    prints = set()
+def test_pods_of_one_checkpoint_share_a_fingerprint(running, checkpoints):
+    by_dir = {}
     for name, proc in running.items():
-        if name.endswith("encoder"):
+        if checkpoints[name] is None:
             continue
-        stub_cls, _ = SERVICES[name]
         with grpc.insecure_channel(proc.target) as channel:
-            prints.add(stub_cls(channel).Info(pb.InfoRequest(), timeout=10).weights_fingerprint)
-    assert len(prints) == 1
+            fingerprint = SERVICES[name][0](channel).Info(pb.InfoRequest(), timeout=10).weights_fingerprint
+        by_dir.setdefault(checkpoints[name], set()).add(fingerprint)
+    assert all(len(prints) == 1 for prints in by_dir.values())
+    assert len({p for prints in by_dir.values() for p in prints}) == len(by_dir)  # different checkpoints differ
 
 
 @pytest.mark.parametrize(
     "name, call",
     [
-        ("llm", lambda ch: list(pb.llm_pb2_grpc.LLMServiceStub(ch).Generate(pb.GenerateRequest(), timeout=10))),
         ("vision_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
         ("audio_encoder", lambda ch: pb.encoder_pb2_grpc.EncoderServiceStub(ch).Encode(pb.EncodeRequest(), timeout=10)),
         ("vae", lambda ch: pb.vae_pb2_grpc.VAEServiceStub(ch).Decode(pb.DecodeRequest(), timeout=10)),
     ],
 )
-def test_rpcs_without_a_servable_model_fail_cleanly(running, name, call):
-    # The test checkpoint is no real model: encoders have no tower to build, so they were
-    # started without one (see `running`) and say so; the LLM and VAE are not built yet.
+def test_rpcs_without_a_servable_model_fail_cleanly(running, checkpoints, name, call):
     with grpc.insecure_channel(running[name].target) as channel:
         with pytest.raises(grpc.RpcError) as err:
             call(channel)
-    if name.endswith("encoder"):
+    if checkpoints[name] is None:
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "start it with --model DIR" in err.value.details()
     else:
@@ -102,8 +113,15 @@ def test_rpcs_without_a_servable_model_fail_cleanly(running, name, call):
         assert "not available yet" in err.value.details()
 
 
+def test_llm_generates(running):
+    with grpc.insecure_channel(running["llm"].target) as channel:
+        replies = list(pb.llm_pb2_grpc.LLMServiceStub(channel).Generate(
+            pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(temperature=0, max_tokens=3)), timeout=60))
+    assert sum(len(r.token_ids) for r in replies) == 3 and replies[-1].finish_reason == pb.LENGTH
+
+
 @pytest.mark.parametrize("name", list(SERVICES))
-def test_metrics_endpoint_exposes_the_schema(running, name):
+def test_metrics_endpoint_exposes_the_schema(running, checkpoints, name):
     proc = running[name]
     with grpc.insecure_channel(proc.target) as channel:  # one counted RPC
         SERVICES[name][0](channel).Info(pb.InfoRequest(), timeout=10)
@@ -124,7 +142,7 @@ def test_metrics_endpoint_exposes_the_schema(running, name):
 
     assert value("modalmesh_ready", service=name) == 1
     assert value("modalmesh_requests_total", service=name, rpc="Info", code="OK") >= 1
-    model_id = "" if name.endswith("encoder") else "ckpt0"
+    model_id = checkpoints[name].name if checkpoints[name] is not None else ""
     assert value("modalmesh_service_info", service=name, model_id=model_id, device="cpu") == 1
 
 

@@ -100,10 +100,18 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(length, device=device, dtype=torch.float32)[:, None] * self.inv_freq.float().to(device)
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling  # (L, rotary_dim)
 
+    def ensure(self, length: int) -> None:
+        """Make the table cover positions [0, length): call once with the serving limit."""
+        if length > self.cos_sin.shape[0]:
+            self.cos_sin = self._table(length, self.cos_sin.device)
+
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos_sin.shape[0]:  # grow (rare: positions past max_position_embeddings)
-            self.cos_sin = self._table(max(needed, 2 * self.cos_sin.shape[0]), self.cos_sin.device)
+        # On an accelerator, reading positions.max() would stall the host every layer: callers size
+        # the table up front with ensure(); on the CPU the check is free, so the table grows there.
+        if positions.device.type == "cpu" and positions.numel():
+            needed = int(positions.max()) + 1
+            if needed > self.cos_sin.shape[0]:
+                self.ensure(max(needed, 2 * self.cos_sin.shape[0]))
         table = self.cos_sin[positions]  # (T, rd) or (3, T, rd)
         half = self.rotary_dim // 2
         cos, sin = table[..., :half], table[..., half:]

@@ -71,7 +71,7 @@ class LLMEngine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(pool.allocator, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
                                    max_prefill_chunk=max_prefill_chunk)
-        self.runner = ModelRunner(model, pool, device)
+        self.runner = ModelRunner(model, pool, device, max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._pending = 0  # added but not yet taken by the worker
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ import torch
 
 from modalmesh.attention import PagedMetadata
 from modalmesh.kv.pool import KVPool
+from modalmesh.layers.rotary import RotaryEmbedding
 from services.llm.inputs import PreparedPrompt
 from services.llm.sampling import SamplerRow, sample
 from services.llm.scheduler import Chunk, Step
@@ -27,10 +28,14 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, device: torch.device):
+    def __init__(self, model, pool: KVPool, device: torch.device, max_model_len: int | None = None):
         self.model = model
         self.pool = pool
         self.device = device
+        if max_model_len:
+            for module in model.modules():
+                if isinstance(module, RotaryEmbedding):
+                    module.ensure(max_model_len + 1)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.kv_caches = [pool.layer(i) for i in range(pool.layout.num_layers)]
 

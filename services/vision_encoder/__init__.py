@@ -1,1 +1,10 @@
-"""x"""
+"""Vision encoder service: images -> embedding rows for the LLM (EncoderService, modality IMAGE).
+
+    python -m services.vision_encoder --model DIR [--max-batch-tokens N] [--max-image-pixels N]
+                                      [--max-request-pixels N] [--siglip-output patch|pooled|both]
+
+    preprocess.py   decoding and HF-exact preprocessing (smart_resize, rescale, normalise, patchify)
+    models/         the towers: Qwen2-VL, Qwen2.5-VL (window attention), SigLIP; architecture only
+    model.py        VisionEncoderModel: the shared encoder contract (prepare / encode)
+    server.py       VisionEncoderService: the shared EncoderService plus vision flags and Info facts
+"""

@@ -1,0 +1,228 @@
+"""Vision towers, ours beside HF transformers in the same run: images/s, backend, bf16 agreement.
+
+    python bench/vision.py                 # on a GPU: real shapes, bf16, random (--dummy-weights) weights
+    python bench/vision.py --quick         # tiny shapes, also on CPU (checks the script, not speed)
+    python bench/vision.py --only siglip-b32 --iters 50 --attention-backend vision_encoder=sdpa_cudnn
+
+Cases (baselines on one H200 from DESIGN.md: SigLIP 495 img/s at batch 32, Qwen2-VL tower 131 img/s):
+  siglip-b1, siglip-b32   SigLIP-so400m-patch14-384 vision model (27 x 1152, 729 patches), batch 1 / 32
+  qwen2vl-8x448           Qwen2-VL-7B vision tower (32 x 1280, 16 heads) on 8 images of 448x448
+  qwen25vl-8x448          Qwen2.5-VL-7B vision tower (window attention) on the same 8 images
+
+No downloads: configs are written in code, HF models built from them on the device, ours
+built from the same config.json with --dummy-weights, then given the HF model's weights
+(so the two can be compared: max |ours - HF| relative to max |HF|). Timing: CUDA events,
+warm-up, median of `--iters` runs of the tower forward on device-resident pixels (both
+sides alike); ours end-to-end (`encode`: host->device, forward, device->host) and CPU
+preprocessing (`prepare`, one thread) are printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from modalmesh import attention, pb  # noqa: E402
+from modalmesh.rpc.codec import to_proto  # noqa: E402
+from modalmesh.weights import load_weights  # noqa: E402
+from services.vision_encoder.model import build_encoder_model  # noqa: E402
+
+BASELINES = {"siglip-b32": 495.0, "qwen2vl-8x448": 131.0}  # HF img/s on one H200 (DESIGN.md)
+
+
+@dataclass
+class Case:
+    name: str
+    family: str  # "siglip" | "qwen2_vl" | "qwen2_5_vl"
+    batch: int
+    image: int  # side in pixels
+
+
+CASES = [Case("siglip-b1", "siglip", 1, 384), Case("siglip-b32", "siglip", 32, 384),
+         Case("qwen2vl-8x448", "qwen2_vl", 8, 448), Case("qwen25vl-8x448", "qwen2_5_vl", 8, 448)]
+
+
+def hf_config(family: str, quick: bool):
+    """The HF config (real shapes, or tiny ones with --quick) and the preprocessor_config.json dict."""
+    import transformers as tf
+
+    if family == "siglip":
+        dims = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                    image_size=384, patch_size=14)
+        if quick:
+            dims.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        image_size=60)  # not a multiple of the patch, like 384 / 14
+        cfg = tf.SiglipVisionConfig(**dims, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+                                    architectures=["SiglipVisionModel"])
+        side = dims["image_size"]
+        proc = {"image_processor_type": "SiglipImageProcessor", "size": {"height": side, "width": side},
+                "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 3, "rescale_factor": 1 / 255}
+        return cfg, proc
+    proc = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+            "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3}
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=1, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064)
+    if quick:
+        text.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
+                               "mrope_section": [16, 24, 24] if not quick else [2, 3, 3]}
+    if family == "qwen2_vl":
+        vision = dict(depth=32, embed_dim=1280, hidden_size=text["hidden_size"], num_heads=16, mlp_ratio=4)
+        if quick:
+            vision.update(depth=2, embed_dim=64, num_heads=4)
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision,
+                                architectures=["Qwen2VLForConditionalGeneration"]), proc
+    vision = dict(depth=32, hidden_size=1280, out_hidden_size=text["hidden_size"], intermediate_size=3420,
+                  num_heads=16, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
+    if quick:
+        vision.update(depth=4, hidden_size=64, intermediate_size=96, num_heads=4, fullatt_block_indexes=[1, 3])
+    return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                               architectures=["Qwen2_5_VLForConditionalGeneration"]), proc
+
+
+def hf_model(family: str, cfg, device, dtype, attn: str):
+    import transformers as tf
+
+    cls = {"siglip": tf.SiglipVisionModel,
+           "qwen2_vl": tf.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel,
+           "qwen2_5_vl": tf.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel}[family]
+    sub = cfg if family == "siglip" else cfg.vision_config
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls._from_config(sub, dtype=dtype, attn_implementation=attn)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def timed(fn, iters: int, device: torch.device) -> float:
+    """Median milliseconds per call (CUDA events on GPUs, perf_counter on CPU), after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_case(case: Case, args, device, dtype) -> dict:
+    cfg, proc = hf_config(case.family, args.quick)
+    side = 56 if args.quick else case.image
+    rng = np.random.default_rng(0)
+    items = [pb.EncodeItem(pixels=to_proto(torch.from_numpy(rng.integers(0, 256, (side, side, 3), np.uint8))))
+             for _ in range(case.batch)]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        (Path(tmp) / "preprocessor_config.json").write_text(json.dumps(proc))
+        ours = build_encoder_model(tmp, device=device, dtype=dtype, dummy=True,
+                                   options={"siglip_output": "both"})  # HF computes patches and the pooled head
+    t0 = time.perf_counter()
+    prepared = [ours.prepare(item, i) for i, item in enumerate(items)]
+    prep_ms = (time.perf_counter() - t0) * 1e3
+    native = case.family != "siglip"
+    if native:
+        grids = [p.meta["grid_thw"] for p in prepared]
+        pixels = torch.cat([p.inputs["pixel_values"] for p in prepared]).to(device, dtype)
+        grid_t = torch.tensor(grids, device=device)
+    else:
+        pixels = torch.stack([p.inputs["pixel_values"] for p in prepared]).to(device, dtype)
+    row = {"case": case.name, "batch": case.batch, "tokens": sum(p.cost for p in prepared),
+           "backend": ours.tower.blocks[0].attn.attn.backend_name if native
+           else ours.tower.encoder.layers[0].self_attn.attn.backend_name}
+    with torch.inference_mode():
+        ours_fwd = (lambda: ours.tower(pixels, grids)) if native else (lambda: ours.tower(pixels))
+        row["ours_ms"] = timed(ours_fwd, args.iters, device)
+        row["e2e_ms"] = timed(lambda: ours.encode(prepared), max(3, args.iters // 2), device)
+    row["prep_img_s"] = case.batch / prep_ms * 1e3
+    if not args.no_hf:
+        for attn in args.hf_attn:
+            try:
+                ref = hf_model(case.family, cfg, device, dtype, attn)
+            except (ImportError, ValueError) as e:  # e.g. flash_attention_2 not installed
+                row[f"hf_{attn}_ms"] = f"n/a ({type(e).__name__})"
+                continue
+            with torch.inference_mode():
+                if native:
+                    ref_fwd = lambda: ref(pixels, grid_thw=grid_t).pooler_output  # noqa: E731
+                else:
+                    ref_fwd = lambda: ref(pixel_values=pixels)  # noqa: E731
+                row[f"hf_{attn}_ms"] = timed(ref_fwd, args.iters, device)
+                if attn == args.hf_attn[0]:  # same weights in ours, then compare
+                    load_weights(ours.tower, list(ref.state_dict().items()), ours.tower.mapper, ours.tower.stacked,
+                                 metrics=False)
+                    want = ref_fwd()
+                    want = want if native else torch.cat((want.last_hidden_state, want.pooler_output[:, None]), 1)
+                    got = ours_fwd()
+                    row["rel_err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            del ref
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del ours
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on CPU)")
+    parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--attention-backend", default=None, help="e.g. vision_encoder=fa3")
+    parser.add_argument("--hf-attn", default="sdpa", help="HF attn implementations, comma-separated "
+                                                          "(e.g. sdpa,flash_attention_2)")
+    parser.add_argument("--no-hf", action="store_true")
+    args = parser.parse_args(argv)
+    args.hf_attn = [a for a in args.hf_attn.split(",") if a]
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.quick:
+        print("no CUDA device: use --quick (tiny shapes) to check the script on CPU", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    selector = attention.configure(args.attention_backend, device=device)
+    cases = [c for c in CASES if not args.only or c.name in args.only.split(",")]
+    if args.quick:
+        cases = [Case(c.name, c.family, min(c.batch, 2), 56) for c in cases]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# vision towers on {gpu}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
+          f"median of {args.iters}{' (quick shapes)' if args.quick else ''}")
+    header = (f"{'case':<16}{'batch':>6}{'tokens':>8}  {'backend':<14}{'ours img/s':>11}{'e2e img/s':>11}"
+              + "".join(f"{'HF ' + a + ' img/s':>26}" for a in ([] if args.no_hf else args.hf_attn))
+              + f"{'x HF':>7}{'rel err':>10}{'prep img/s':>12}{'baseline':>10}")
+    print(header)
+    for case in cases:
+        row = run_case(case, args, device, dtype)
+        ips = lambda ms: f"{row['batch'] / ms * 1e3:.1f}" if isinstance(ms, float) else ms  # noqa: E731
+        hf = [row.get(f"hf_{a}_ms") for a in ([] if args.no_hf else args.hf_attn)]
+        first = hf[0] if hf and isinstance(hf[0], float) else None
+        speedup = f"{first / row['ours_ms']:.2f}" if first else "-"
+        print(f"{row['case']:<16}{row['batch']:>6}{row['tokens']:>8}  {row['backend']:<14}{ips(row['ours_ms']):>11}"
+              f"{ips(row['e2e_ms']):>11}" + "".join(f"{ips(h):>26}" for h in hf)
+              + f"{speedup:>7}{row.get('rel_err', float('nan')):>10.2e}{row['prep_img_s']:>12.1f}"
+              + f"{BASELINES.get(case.name, '-')!s:>10}", flush=True)
+    for choice in attention.attention_choices(selector):
+        print(f"# attention {choice.component}: {choice.backend} ({choice.reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The vision encoder's model side: checkpoint -> tower, EncodeItem -> PreparedItem -> rows.
+
+    model = build_encoder_model("/models/Qwen2-VL-7B-Instruct", device="cuda", dtype=torch.bfloat16)
+    prepared = [model.prepare(item, i) for i, item in enumerate(request.items)]   # CPU, thread pool
+    encoded = model.encode(prepared)                                              # one forward
+
+`prepare` decodes and preprocesses exactly like the checkpoint's HF image processor
+(preprocess.py) and computes the cache key; `encode` runs one forward over the
+whole batch - Qwen2-VL rows concatenated (never stacked, resolutions mix freely),
+SigLIP images stacked (fixed resolution) - and returns one `EncodedItem` per input
+whose rows are on the CPU in the serving dtype (one device->host copy per batch).
+
+Rows per item: Qwen2-VL / Qwen2.5-VL, the merged patches ``t*h*w / merge^2`` in the LLM's
+width (= the placeholder tokens the LLM reserves); SigLIP, by ``siglip_output``, the
+patch embeddings (last hidden state after post_layernorm, default), the pooled
+embedding (1 row), or both (patch rows, then the pooled row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from modalmesh import pb
+from modalmesh.config import ModelConfig
+from modalmesh.errors import ConfigError
+from modalmesh.weights import load_checkpoint
+from services.vision_encoder import preprocess as pp
+from services.vision_encoder.models import SiglipVisionTower, tower_class
+
+from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OPTIONS = {
+    "max_image_pixels": pp.DEFAULT_MAX_IMAGE_PIXELS,  # decoded image size limit (decompression bombs)
+    "max_request_pixels": 0,  # per-item max_pixels may not exceed this (0: the checkpoint's max_pixels)
+    "siglip_output": "patch",  # "patch" | "pooled" | "both"
+}
+
+
+def vision_config(model_dir) -> ModelConfig:
+    """The vision part of a multimodal checkpoint, or the whole config of a standalone vision model."""
+    try:
+        return ModelConfig.from_hf(model_dir, part="vision")
+    except ConfigError:
+        cfg = ModelConfig.from_hf(model_dir, part="text")  # the root section when nothing is nested
+        if cfg.model_type.endswith("vision_model") or any(a.endswith("VisionModel") for a in cfg.architectures):
+            return cfg
+        raise
+
+
+class VisionEncoderModel(EncoderModel):
+    modality = pb.IMAGE
+
+    def __init__(self, model_dir, *, device, dtype: torch.dtype, dummy: bool = False, options: dict | None = None,
+                 metrics=None):
+        unknown = set(options or {}) - set(DEFAULT_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown vision encoder options {sorted(unknown)} (known: {sorted(DEFAULT_OPTIONS)})")
+        self.options = {**DEFAULT_OPTIONS, **{k: v for k, v in (options or {}).items() if v is not None}}
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        cfg = vision_config(model_dir)
+        cls = tower_class(cfg)
+        self.architecture = cfg.architectures[0] if cfg.architectures else cfg.model_type
+        kwargs = {"output": self.options["siglip_output"]} if cls is SiglipVisionTower else {}
+        with torch.device("meta"):
+            self.tower = cls(cfg, dtype=dtype, **kwargs)
+        self.load_report = load_checkpoint(
+            self.tower, model_dir, mapper=self.tower.mapper, stacked=self.tower.stacked,
+            prefixes=cls.checkpoint_prefixes, device=self.device, dtype=dtype, dummy=dummy,
+            metrics=metrics,
+        )
+        self.tower.eval()
+        self.native = cls.processor_kind == "qwen2_vl"
+        self.hidden_size = self.tower.dim if self.native else self.tower.hidden_size
+        self.output_hidden_size = self.tower.out_hidden_size
+        self.processor = self._processor(cls)
+        limit = int(self.options["max_request_pixels"]) or (self.processor.max_pixels if self.native else 0)
+        self.max_request_pixels = limit
+        if int(self.options["max_image_pixels"]) > (Image.MAX_IMAGE_PIXELS or 0):
+            Image.MAX_IMAGE_PIXELS = int(self.options["max_image_pixels"])  # ours is checked before decoding
+        self._key_base = hashlib.sha256(b"\0".join([
+            self.architecture.encode(), self.processor.digest(), str(self.options["siglip_output"]).encode(),
+            str(dtype).encode(),
+        ])).digest()
+
+    def _processor(self, cls) -> pp.ImageProcessorConfig:
+        tower = self.tower
+        if self.native:
+            proc = pp.ImageProcessorConfig.from_dir(
+                self.model_dir, "qwen2_vl", patch_size=tower.patch_size,
+                temporal_patch_size=tower.temporal_patch_size, merge_size=tower.merge)
+            got = (proc.patch_size, proc.temporal_patch_size, proc.merge_size)
+            want = (tower.patch_size, tower.temporal_patch_size, tower.merge)
+        else:
+            proc = pp.ImageProcessorConfig.from_dir(
+                self.model_dir, "fixed", height=tower.image_size, width=tower.image_size,
+                image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
+            got, want = (proc.height, proc.width), (tower.image_size, tower.image_size)
+        if got != want:
+            raise ConfigError(f"{self.model_dir}/preprocessor_config.json gives {got} but the {cls.__name__} "
+                              f"config says {want}")
+        return proc
+
+    # ---- the contract ---------------------------------------------------------------------
+    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+        where = f"items[{index}]"
+        params = b""
+        if self.native:
+            lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
+            params = f"{lo}:{hi}".encode()
+        key = hashlib.sha256(self._key_base + params + pp.content_digest(item)).digest()
+        image = pp.decode_image(item, index, max_image_pixels=int(self.options["max_image_pixels"]))
+        image = pp.to_rgb(image)
+        if self.native:
+            rows, grid = pp.qwen2_vl_pixels(image, self.processor, lo, hi, where)
+            t, h, w = grid
+            return PreparedItem(inputs={"pixel_values": torch.from_numpy(rows)}, cost=t * h * w,
+                                cache_key=key, meta={"grid_thw": grid})
+        pixels = pp.fixed_pixels(image, self.processor, where)
+        return PreparedItem(inputs={"pixel_values": torch.from_numpy(pixels)}, cost=self.tower.num_patches,
+                            cache_key=key, meta={})
+
+    @torch.inference_mode()
+    def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
+        if not batch:
+            return []
+        if self.native:
+            grids = [tuple(it.meta["grid_thw"]) for it in batch]
+            pixels = self._to_device(torch.cat([it.inputs["pixel_values"] for it in batch]))
+            rows = self.tower(pixels, grids).to(self.dtype).cpu()
+            sizes = [self.tower.merged_rows(g) for g in grids]
+            return [EncodedItem(embedding=r.clone(), grid_thw=g) for r, g in zip(rows.split(sizes), grids)]
+        pixels = self._to_device(torch.stack([it.inputs["pixel_values"] for it in batch]))
+        rows = self.tower(pixels).to(self.dtype).cpu()
+        return [EncodedItem(embedding=r.clone()) for r in rows.unbind(0)]
+
+    def _to_device(self, pixels: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
+        return pixels.to(self.device, self.dtype)
+
+    # ---- service helpers ------------------------------------------------------------------
+    def warmup(self) -> None:
+        """One small forward, so the first request does not pay for kernel set-up."""
+        side = self.processor.factor if self.native else self.processor.height
+        item = pb.EncodeItem(pixels=pb.Tensor(dtype=pb.UINT8, shape=[side, side, 3],
+                                              data=np.zeros((side, side, 3), np.uint8).tobytes()))
+        self.encode([self.prepare(item, 0)])
+
+    def rows_for(self, grid: tuple[int, int, int] | None = None) -> int:
+        """Placeholder tokens an image of `grid` becomes (SigLIP: fixed)."""
+        return self.tower.merged_rows(grid) if self.native else self.tower.rows_per_image
+
+    def describe(self) -> dict[str, str]:
+        """Service-specific facts for Info.extra."""
+        p = self.processor
+        facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"])}
+        if self.native:
+            facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
+                         max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))
+        else:
+            facts.update(image_size=f"{p.height}x{p.width}", siglip_output=str(self.options["siglip_output"]),
+                         rows_per_image=str(self.tower.rows_per_image))
+        return facts
+
+
+def build_encoder_model(model_dir, *, device, dtype, dummy: bool = False, options: dict | None = None,
+                        **kw) -> VisionEncoderModel:
+    return VisionEncoderModel(model_dir, device=device, dtype=dtype, dummy=dummy, options=options, **kw)

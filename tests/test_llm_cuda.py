@@ -1,0 +1,99 @@
+"""The LLM on CUDA: FP32 greedy tokens equal HF generate; bf16 logits close to the FP32 reference.
+
+Skipped without a GPU (CI has none); run on the device machine.
+"""
+
+import queue
+
+import pytest
+import torch
+
+from modalmesh import tiny
+from modalmesh.attention import PagedMetadata
+from modalmesh.kv.pool import build_kv_pool
+from modalmesh.metrics import Metrics
+from services.llm.engine import LLMEngine
+from services.llm.inputs import PreparedPrompt
+from services.llm.loader import load_llm
+from services.llm.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+FAMILIES = ("llama", "qwen2", "qwen3", "gpt_neox")
+PROMPTS = [[5, 77, 301, 12, 9, 250, 31], [400, 3], list(range(40, 73))]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("cuda-llm")
+
+
+def _engine(model, cfg, tokenizer, dtype):
+    metrics = Metrics("llm", process_metrics=False)
+    pool = build_kv_pool(cfg, "cuda", max_model_len=256, dtype=dtype, kv_cache_tokens=2048, metrics=metrics)
+    return LLMEngine(model, pool, tokenizer, eos_token_ids=(), vocab_size=cfg.vocab_size, max_model_len=256,
+                     device=torch.device("cuda"), metrics=metrics, max_batch_tokens=24)
+
+
+def _generate(engine, prompts, n):
+    outs = [queue.Queue() for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.add(f"r{i}", PreparedPrompt(list(p)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                   outs[i].put)
+    results = []
+    for q in outs:
+        ids = []
+        while True:
+            d = q.get(timeout=120)
+            assert d.error is None, d.error
+            ids += d.token_ids
+            if d.finish_reason:
+                break
+        results.append(ids)
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_greedy_on_cuda_equals_hf_generate(root, family):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny.ensure(family, root)
+    model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.float32)
+    engine = _engine(model, cfg, AutoTokenizer.from_pretrained(path), torch.float32)
+    engine.start()
+    try:
+        got = _generate(engine, PROMPTS, 16)
+    finally:
+        engine.stop()
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    for prompt, ids in zip(PROMPTS, got):
+        # Teacher-force the reference on our tokens: each must be its argmax, up to an FP32 near-tie
+        # (cuBLAS and CPU sum in different orders, so two logits 1e-6 apart may swap on random weights).
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(ids)[:, None])[:, 0]
+        assert torch.all(chosen >= logits.max(-1).values - 1e-4), (family, prompt)
+        assert len(set(ids)) > 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny.ensure(family, root)
+    model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.bfloat16)
+    pool = build_kv_pool(cfg, "cuda", max_model_len=256, dtype=torch.bfloat16, kv_cache_tokens=512,
+                         metrics=Metrics("llm", process_metrics=False))
+    prompt = PROMPTS[2]
+    assert pool.allocate("s", len(prompt))
+    meta = PagedMetadata.build([len(prompt)], [len(prompt)], pool.block_table(["s"]), pool.page_size)
+    with torch.inference_mode():
+        hidden = model(torch.arange(len(prompt), device="cuda"), meta,
+                       [pool.layer(i) for i in range(cfg.num_layers)],
+                       input_ids=torch.tensor(prompt, device="cuda"))
+        ours = model.compute_logits(hidden).float().cpu()
+    ref_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
+    scale = ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= 0.05 * scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
