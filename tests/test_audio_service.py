@@ -126,6 +126,8 @@ def test_concurrent_requests_are_batched_and_split_back(checkpoints, qwen2_refer
                 info = await stub.Info(pb.InfoRequest())
             assert service.batcher.batches_run < len(items)  # requests shared batches
             assert info.architecture == "Qwen2AudioEncoder" and info.output_hidden_size == 64
+            assert info.extra["rows"] == "qwen2_audio" and info.extra["n_mels"] == "128"
+            assert info.pools[0].name == "embedding_cache"
             for r, reply in enumerate(replies):
                 assert reply.modality == pb.AUDIO and reply.weights_fingerprint == service.weights_fingerprint
                 for j, emb in enumerate(reply.embeddings):
@@ -224,6 +226,7 @@ def test_python_m_services_audio_encoder_serves_a_whisper_checkpoint(checkpoints
         proc.send_sigterm()
         assert proc.terminate(timeout=30) == 0
     assert info.architecture == "WhisperEncoder" and info.modality == pb.AUDIO and info.ready
+    assert info.extra["rows"] == "whisper_full" and info.attention[0].component == "audio_encoder"
     got = from_proto(reply.embeddings[0].embedding)
     assert got.shape == (1500, 32) and (got - expected).abs().max() <= TOL
     assert reply.embeddings[0].valid_length == 300

@@ -169,6 +169,14 @@ class AudioEncoderModel(EncoderModel):
         return [EncodedItem(embedding=e, valid_length=int(p.inputs["frames"].sum()))
                 for e, p in zip(out.split(per_item), batch)]
 
+    def describe(self) -> dict[str, str]:
+        """Service-specific facts for Info.extra."""
+        f = self.features
+        rows = "qwen2_audio" if self.packed else f"whisper_{self.options.whisper_rows}"
+        return {"tower": type(self.module).__name__, "rows": rows, "n_mels": str(f.n_mels),
+                "sampling_rate": str(f.sampling_rate), "window_seconds": str(f.chunk_length),
+                "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature()}
+
     def warmup(self) -> None:
         """One silent 1 s clip through prepare and encode (kernels, backend smoke tests, allocator)."""
         silence = pb.EncodeItem(pcm=pb.Tensor(dtype=pb.FLOAT32, shape=[self.features.sampling_rate],
@@ -192,8 +200,11 @@ def _audio_config(model_dir) -> tuple[str, ModelConfig, ModelConfig]:
 
 
 def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                        dummy: bool = False, options: dict | None = None) -> AudioEncoderModel:
-    """Build the audio tower of the checkpoint in `model_dir`, load its weights (or dummy ones), warm up."""
+                        dummy: bool = False, options: dict | None = None, metrics=None) -> AudioEncoderModel:
+    """Build the audio tower of the checkpoint in `model_dir`, load its weights (or dummy ones), warm up.
+
+    `metrics`: where the weight-load gauges go (None: the process's installed Metrics).
+    """
     opts = AudioOptions.from_dict(options)
     arch, audio_cfg, text_cfg = _audio_config(model_dir)
     try:
@@ -207,10 +218,11 @@ def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype:
             module = Qwen2AudioTower(dims, text_cfg.hidden_size, dtype=dtype)
     opened: list[Path] = []
     if dummy:
-        report = load_dummy_weights(module, device=device, dtype=dtype)
+        report = load_dummy_weights(module, device=device, dtype=dtype, metrics=metrics)
     else:
         reader = CheckpointReader(model_dir, prefixes=module.checkpoint_prefixes)
-        report = load_weights(module, reader, module.mapper, module.stacked, device=device, dtype=dtype)
+        report = load_weights(module, reader, module.mapper, module.stacked, device=device, dtype=dtype,
+                              metrics=metrics)
         opened = reader.opened_files
     features = FeatureConfig.from_dir(model_dir, dims.n_mels)
     model = AudioEncoderModel(module, features, device=device, dtype=dtype, options=opts, load_report=report,

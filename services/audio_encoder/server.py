@@ -12,8 +12,12 @@ from __future__ import annotations
 import argparse
 
 from modalmesh import pb
-from services.audio_encoder.model import DEFAULT_MAX_AUDIO_SECONDS, WHISPER_ROWS, build_encoder_model
-from services.encoder.model import EncoderModel
+from services.audio_encoder.model import (
+    DEFAULT_MAX_AUDIO_SECONDS,
+    WHISPER_ROWS,
+    AudioEncoderModel,
+    build_encoder_model,
+)
 from services.encoder.service import EncoderService
 
 
@@ -31,9 +35,19 @@ class AudioEncoderService(EncoderService):
                             help="longest clip accepted (longer: INVALID_ARGUMENT)")
         parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
                             help="Whisper: rows covering the valid audio of each 30 s window, or all 1500")
+        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                            help="skip the warm-up forward before turning SERVING")
 
-    def build_model(self) -> EncoderModel:
+    def build_model(self) -> AudioEncoderModel:
         return build_encoder_model(
             self.model_dir, device=self.device, dtype=self.dtype, dummy=self.args.dummy_weights,
-            options={"max_audio_seconds": self.args.max_audio_seconds, "whisper_rows": self.args.whisper_rows},
+            options={"max_audio_seconds": self.args.max_audio_seconds, "whisper_rows": self.args.whisper_rows,
+                     "warmup": self.args.warmup},
+            metrics=self.metrics,
         )
+
+    def info(self) -> pb.ServiceInfo:
+        info = super().info()
+        if isinstance(self.model, AudioEncoderModel):
+            info.extra.update(self.model.describe())
+        return info
