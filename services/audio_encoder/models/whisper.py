@@ -65,7 +65,7 @@ class AudioEncoderDims:
         if not n_mels or not positions:
             raise ValueError(f"{cfg.model_type}: config lacks num_mel_bins / max_source_positions")
         return cls(
-            d_model=cfg.hidden_size,
+            d_model=int(cfg.get("d_model") or cfg.hidden_size),
             layers=int(cfg.get("encoder_layers") or cfg.num_layers),
             heads=int(cfg.get("encoder_attention_heads") or cfg.num_heads),
             ffn=int(cfg.get("encoder_ffn_dim") or cfg.intermediate_size),
