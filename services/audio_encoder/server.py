@@ -1,12 +1,53 @@
-"""Audio encoder service: audio -> embedding rows for the LLM."""
+"""Audio encoder service: audio -> embedding rows for the LLM.
+
+    python -m services.audio_encoder --model /models/Qwen2-Audio-7B-Instruct [--max-audio-seconds 600]
+    python -m services.audio_encoder --model /models/whisper-large-v3 [--whisper-rows valid|full]
+
+The shared EncoderService does validation, caching, batching and the protos;
+this class builds the tower (services/audio_encoder/model.py).
+"""
 
 from __future__ import annotations
 
+import argparse
+
 from modalmesh import pb
+from services.audio_encoder.model import (
+    DEFAULT_MAX_AUDIO_SECONDS,
+    WHISPER_ROWS,
+    AudioEncoderModel,
+    build_encoder_model,
+)
 from services.encoder.service import EncoderService
 
 
 class AudioEncoderService(EncoderService):
     name = "audio_encoder"
-    description = "modalmesh audio encoder: EncoderService over an audio tower."
+    description = "modalmesh audio encoder: EncoderService over an audio tower (Whisper, Qwen2-Audio)."
     modality = pb.AUDIO
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        super().add_arguments(parser)
+        # 16 windows of 30 s (3000 mel frames each): Whisper-large's best batch on an H200 (bench/audio.py).
+        parser.set_defaults(max_batch_tokens=48000)
+        parser.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
+                            help="longest clip accepted (longer: INVALID_ARGUMENT)")
+        parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
+                            help="Whisper: rows covering the valid audio of each 30 s window, or all 1500")
+        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                            help="skip the warm-up forward before turning SERVING")
+
+    def build_model(self) -> AudioEncoderModel:
+        return build_encoder_model(
+            self.model_dir, device=self.device, dtype=self.dtype, dummy=self.args.dummy_weights,
+            options={"max_audio_seconds": self.args.max_audio_seconds, "whisper_rows": self.args.whisper_rows,
+                     "warmup": self.args.warmup},
+            metrics=self.metrics,
+        )
+
+    def info(self) -> pb.ServiceInfo:
+        info = super().info()
+        if isinstance(self.model, AudioEncoderModel):
+            info.extra.update(self.model.describe())
+        return info

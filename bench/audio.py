@@ -1,0 +1,200 @@
+"""Audio encoder throughput: ours vs Hugging Face `WhisperEncoder`, same GPU, same run, beside the limit.
+
+    python bench/audio.py                   # whisper-large-v3 encoder shape, bf16, 30 s clips, batch 1 and 16
+    python bench/audio.py --dummy-weights   # ours with dummy weights (no parity check)
+    python bench/audio.py --quick           # tiny shape; also runs on CPU (checks the script, not speed)
+
+Both models are built in code (no downloads): HF's `WhisperEncoder` from a
+`WhisperConfig` (d_model 1280, 32 layers, 20 heads, ffn 5120, 128 mel bins),
+ours through `build_encoder_model` on a config-only checkpoint directory with
+``dummy=True`` (the service's ``--dummy-weights``). Unless ``--dummy-weights``
+is given, HF's randomly initialised weights are then loaded into ours through
+the checkpoint loader (q/k/v -> qkv_proj etc.) and the outputs are compared
+(bf16 ours and bf16 HF, each against HF in fp32).
+
+Timed with CUDA events after warm-up: the encoder forward on (B, 128, 3000)
+log-mel features, ours vs HF, at each batch size; then ours through
+`encode()` (the service path: host->device mel copy, row selection,
+device->host rows) and the CPU preprocessing (`prepare`: resample + log-mel)
+of one 30 s clip. The limit is the forward's FLOPs at the GPU's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from modalmesh import pb  # noqa: E402
+from modalmesh.rpc.codec import to_proto  # noqa: E402
+from modalmesh.weights import load_weights  # noqa: E402
+from services.audio_encoder.model import build_encoder_model  # noqa: E402
+
+LARGE_V3 = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120, num_mel_bins=128,
+                max_source_positions=1500, decoder_layers=2, decoder_attention_heads=20, decoder_ffn_dim=5120,
+                vocab_size=51866)
+QUICK = dict(LARGE_V3, d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+             decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128)
+BASELINE = "HF WhisperEncoder on one H200 (DESIGN.md): 147 clips/s at batch 16, 21 ms at batch 1; limit ~345 clips/s"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
+    """Mean milliseconds per call (CUDA events on a GPU, wall clock elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def flops_per_clip(shape: dict) -> float:
+    """Forward FLOPs of one 30 s window (2 FLOP per multiply-add)."""
+    d, f, layers, mels = shape["d_model"], shape["encoder_ffn_dim"], shape["encoder_layers"], shape["num_mel_bins"]
+    s = shape["max_source_positions"]
+    stem = 2 * 3 * mels * d * (2 * s) + 2 * 3 * d * d * s
+    linear = 2 * s * (4 * d * d + 2 * d * f)
+    attention = 2 * 2 * s * s * d
+    return stem + layers * (linear + attention)
+
+
+def make_checkpoint(shape: dict) -> Path:
+    from transformers import WhisperConfig, WhisperFeatureExtractor
+
+    root = Path(tempfile.mkdtemp(prefix="bench-audio-"))
+    WhisperConfig(**shape, architectures=["WhisperForConditionalGeneration"]).save_pretrained(root)
+    WhisperFeatureExtractor(feature_size=shape["num_mel_bins"]).save_pretrained(root)
+    return root
+
+
+def build_hf(shape: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(**shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = WhisperEncoder(config)
+    return model.to(dtype).eval()
+
+
+def clip_30s(rate: int = 16000) -> torch.Tensor:
+    t = torch.arange(30 * rate, dtype=torch.float64) / rate
+    x = 0.3 * torch.sin(2 * math.pi * 440 * t) + 0.2 * torch.sin(2 * math.pi * (100 * t + 50 * t**2))
+    return (x + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)).float()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shape (any device)")
+    parser.add_argument("--dummy-weights", action="store_true", help="ours with dummy weights; skips the parity check")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--attention-backend", default=None, help="override for ours, e.g. 'audio_encoder=sdpa_cudnn'")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H200 bf16: 989)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF peer")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          args.device if args.device != "auto" else "cpu")
+    dtype = getattr(torch, args.dtype)
+    if args.quick:
+        args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
+    shape = QUICK if args.quick else LARGE_V3
+
+    from modalmesh import attention
+
+    attention.configure(args.attention_backend, device=device)
+    root = make_checkpoint(shape)
+    ours = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options={"warmup": False})
+    selection = ours.module.encoder.layers[0].self_attn.attn.selection
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"Whisper-large-v3 encoder shape{' (quick)' if args.quick else ''}: d_model {shape['d_model']}, "
+          f"{shape['encoder_layers']} layers, {shape['encoder_attention_heads']} heads, "
+          f"ffn {shape['encoder_ffn_dim']}, {shape['num_mel_bins']} mel bins; {args.dtype} on {gpu}")
+    print(f"attention (ours): {selection.backend} [{selection.source}] {selection.reason}")
+
+    hf = None if args.no_hf else build_hf(shape, device, dtype)
+    if hf is not None:
+        print(f"attention (HF): {hf.config._attn_implementation}")
+    results: dict = {"device": gpu, "dtype": args.dtype, "shape": shape, "attention": selection.backend, "batches": {}}
+
+    mels = torch.randn(max(args.batch), shape["num_mel_bins"], 3000, generator=torch.Generator().manual_seed(1))
+    mels = mels.to(device, dtype)
+    if hf is not None and not args.dummy_weights:
+        # HF's random weights into ours through the checkpoint loader, then parity.
+        state = ((f"model.encoder.{k}", v) for k, v in hf.state_dict().items())
+        load_weights(ours.module, state, ours.module.mapper, ours.module.stacked, metrics=False)
+        with torch.inference_mode():
+            x = mels[:2]
+            a, b = ours.module(x).float(), hf(x).last_hidden_state.float()
+            exact = hf.float()(x.float()).last_hidden_state
+            hf.to(dtype)
+        results["parity"] = {"ours_vs_hf": (a - b).abs().max().item(), "ours_vs_fp32": (a - exact).abs().max().item(),
+                             "hf_vs_fp32": (b - exact).abs().max().item(), "scale": exact.abs().max().item()}
+        p = results["parity"]
+        print(f"parity (max |diff|, outputs up to {p['scale']:.3g}): ours vs HF {p['ours_vs_hf']:.4g}; "
+              f"vs HF fp32: ours {p['ours_vs_fp32']:.4g}, HF {args.dtype} {p['hf_vs_fp32']:.4g}")
+
+    print(f"{'batch':>5} {'ours ms':>9} {'ours clips/s':>12} {'HF ms':>9} {'HF clips/s':>10} {'speedup':>7}")
+    for batch in args.batch:
+        x = mels[:batch]
+        with torch.inference_mode():
+            ours_ms = time_ms(lambda: ours.module(x), device, args.iters, args.warmup)
+            hf_ms = time_ms(lambda: hf(x), device, args.iters, args.warmup) if hf is not None else float("nan")
+        row = {"ours_ms": ours_ms, "ours_clips_s": batch * 1e3 / ours_ms, "hf_ms": hf_ms,
+               "hf_clips_s": batch * 1e3 / hf_ms}
+        results["batches"][batch] = row
+        print(f"{batch:>5} {ours_ms:>9.2f} {row['ours_clips_s']:>12.1f} {hf_ms:>9.2f} {row['hf_clips_s']:>10.1f} "
+              f"{hf_ms / ours_ms:>6.2f}x")
+
+    clip = clip_30s()
+    item = pb.EncodeItem(pcm=to_proto(clip), sample_rate=16000)
+    prep_ms = time_ms(lambda: ours.prepare(item, 0), torch.device("cpu"), max(1, args.iters // 4), 1)
+    big = max(args.batch)
+    prepared = [ours.prepare(item, i) for i in range(big)]
+    encode_ms = time_ms(lambda: ours.encode(prepared), device, max(1, args.iters // 2), 1)
+    results.update(prepare_ms_per_clip=prep_ms, encode_ms=encode_ms, encode_batch=big)
+    print(f"ours encode() (mel host->device, forward, rows device->host) at batch {big}: {encode_ms:.2f} ms = "
+          f"{big * 1e3 / encode_ms:.1f} clips/s")
+    print(f"CPU prepare (log-mel of a 30 s 16 kHz clip, one thread of the pool): {prep_ms:.1f} ms/clip")
+
+    flops = flops_per_clip(shape)
+    limit = args.peak_tflops * 1e12 / flops
+    results.update(tflop_per_clip=flops / 1e12, limit_clips_s=limit)
+    print(f"limit: {flops / 1e12:.2f} TFLOP per clip -> {limit:.0f} clips/s at {args.peak_tflops:g} TFLOP/s")
+    print(f"baseline: {BASELINE}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

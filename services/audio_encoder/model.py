@@ -1,0 +1,234 @@
+"""The audio encoder model behind EncoderService: Whisper encoder or Qwen2-Audio tower + projector.
+
+    model = build_encoder_model(dir, device="cuda", dtype=torch.bfloat16, options={"max_audio_seconds": 600})
+    prepared = model.prepare(pb.EncodeItem(data=wav_bytes), 0)       # CPU: decode, resample, log-mel
+    [encoded] = model.encode([prepared])                             # one forward for the whole batch
+
+Rows returned per item (= the LLM's placeholder tokens):
+
+* The clip is cut into 30 s windows (the last one padded); a window with `L`
+  valid mel frames (``ceil(samples / 160)``) has ``P = (L - 1) // 2 + 1``
+  positions after the stride-2 stem. `valid_length` is the sum of `L`.
+* Qwen2-Audio: ``(P - 2) // 2 + 1`` rows per window — exactly what
+  `Qwen2AudioProcessor` expands ``<|AUDIO|>`` to and what
+  `Qwen2AudioForConditionalGeneration` splices (for clips up to 30 s, which is
+  all the reference takes; longer clips concatenate the windows' rows).
+* Whisper: by default the ``P`` rows covering the valid audio of each window.
+  Whisper attends over the whole padded window, so the model still runs all
+  1500 positions; these rows equal the reference's ``last_hidden_state[:, :P]``.
+  ``whisper_rows="full"`` returns all 1500 per window instead (what a Whisper
+  decoder cross-attends to).
+
+Batch cost (`--max-batch-tokens`, in mel frames): 3000 per window for Whisper
+(every window runs in full), ``2 * P`` per window for Qwen2-Audio (only valid
+positions run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modalmesh import pb
+from modalmesh.config import ModelConfig
+from modalmesh.errors import ConfigError, InvalidArgument
+from modalmesh.rpc.codec import from_proto
+from modalmesh.weights import CheckpointReader, LoadReport, load_dummy_weights, load_weights
+from services.audio_encoder.audio import DEFAULT_RESAMPLER, Resampler, decode_audio, downmix, pcm_audio
+from services.audio_encoder.features import FeatureConfig, LogMel
+from services.audio_encoder.models import AudioEncoderDims, Qwen2AudioTower, WhisperAudioEncoder
+from services.audio_encoder.models.qwen2_audio import output_rows
+from services.audio_encoder.models.whisper import conv_output_lengths
+from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_AUDIO_SECONDS = 600.0
+WHISPER_ROWS = ("valid", "full")
+
+
+@dataclass(frozen=True)
+class AudioOptions:
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
+    whisper_rows: str = "valid"
+    warmup: bool = True
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> AudioOptions:
+        options = dict(options or {})
+        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "warmup"}
+        if unknown:
+            raise ConfigError(f"unknown audio encoder options: {', '.join(sorted(unknown))}")
+        out = cls(**{k: v for k, v in options.items() if v is not None})
+        if not out.max_audio_seconds > 0:
+            raise ConfigError(f"max_audio_seconds must be > 0, got {out.max_audio_seconds}")
+        if out.whisper_rows not in WHISPER_ROWS:
+            raise ConfigError(f"whisper_rows {out.whisper_rows!r}: expected one of {', '.join(WHISPER_ROWS)}")
+        return out
+
+
+class AudioEncoderModel(EncoderModel):
+    modality = pb.AUDIO
+
+    def __init__(self, module: WhisperAudioEncoder | Qwen2AudioTower, features: FeatureConfig, *,
+                 device: torch.device | str, dtype: torch.dtype, options: AudioOptions | None = None,
+                 resampler: Resampler = DEFAULT_RESAMPLER, load_report: LoadReport | None = None,
+                 opened_files: list[Path] | None = None):
+        self.module = module.eval()
+        self.dims: AudioEncoderDims = module.dims
+        self.packed = isinstance(module, Qwen2AudioTower)
+        self.architecture = "Qwen2AudioEncoder" if self.packed else "WhisperEncoder"
+        self.hidden_size = self.dims.d_model
+        self.output_hidden_size = module.output_hidden_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.options = options or AudioOptions()
+        self.features = features
+        self.logmel = LogMel(features)
+        self.resampler = resampler
+        self.load_report = load_report
+        self.opened_files = opened_files or []
+        if features.nb_max_frames != self.dims.window_frames:
+            raise ConfigError(f"the feature extractor makes {features.nb_max_frames} frames per window; "
+                              f"the encoder takes {self.dims.window_frames}")
+        rows = "qwen2-audio" if self.packed else f"whisper-{self.options.whisper_rows}"
+        # Everything besides the input that changes the output rows.
+        self.signature = f"{features.signature()}|{resampler.signature()}|{rows}".encode()
+
+    # ---- per item, CPU ----------------------------------------------------------------------
+    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+        what = f"items[{index}]"
+        max_s = self.options.max_audio_seconds
+        digest = hashlib.sha256(self.signature)
+        source = item.WhichOneof("source")
+        if source == "data":
+            wave, rate = decode_audio(item.data, what=what, max_seconds=max_s)
+            if item.sample_rate and item.sample_rate != rate:
+                raise InvalidArgument(f"{what}: sample_rate {item.sample_rate} contradicts the file's {rate} Hz "
+                                      "(leave it 0 for encoded files)")
+            digest.update(b"data\0" + item.data)
+        elif source == "pcm":
+            pcm = from_proto(item.pcm, name=f"{what}.pcm")
+            wave, rate = pcm_audio(pcm, item.sample_rate, what=what, max_seconds=max_s)
+            digest.update(struct.pack("<4sqq", b"pcm\0", item.pcm.dtype, rate))
+            digest.update(repr(list(item.pcm.shape)).encode() + b"\0" + item.pcm.data)
+        elif source == "pixels":
+            raise InvalidArgument(f"{what}: pixels are an image; the audio encoder takes data (WAV, FLAC, OGG) "
+                                  "or pcm samples")
+        else:
+            raise InvalidArgument(f"{what}: no audio: set data (WAV, FLAC, OGG bytes) or pcm with sample_rate")
+        mono = self.resampler(downmix(wave), rate, self.features.sampling_rate)
+        feats = self.logmel(mono)
+        frames = torch.tensor(feats.frames, dtype=torch.int64)
+        positions = conv_output_lengths(frames)
+        rows = self._rows(frames, positions)
+        if int(rows.sum()) == 0:
+            raise InvalidArgument(f"{what}: audio of {mono.shape[-1]} samples at {self.features.sampling_rate} Hz "
+                                  "is too short to give any embedding row")
+        mel = feats.mel
+        if self.packed:
+            # Positions < P read mel frames < 2P + 1 only; what lies past them (other frames, or the
+            # zeros a batch pads with) never reaches a valid position.
+            mel = mel[..., : min(self.dims.window_frames, int(2 * positions.max() + 1))].contiguous()
+            cost = int(2 * positions.sum())
+        else:
+            cost = mel.shape[0] * self.dims.window_frames
+        inputs = {"mel": mel, "frames": frames, "positions": positions, "rows": rows}
+        return PreparedItem(inputs=inputs, cost=cost, cache_key=digest.digest(),
+                            meta={"valid_length": int(frames.sum()), "windows": mel.shape[0]})
+
+    def _rows(self, frames: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return output_rows(frames)
+        if self.options.whisper_rows == "full":
+            return torch.full_like(positions, self.dims.max_source_positions)
+        return positions
+
+    # ---- per batch, on the device -----------------------------------------------------------
+    def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
+        with torch.inference_mode():
+            windows = [p.inputs["mel"] for p in batch]
+            width = max(m.shape[-1] for m in windows)
+            mel = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for m in windows])
+            mel = mel.to(self.device, self.dtype, non_blocking=True)
+            rows = torch.cat([p.inputs["rows"] for p in batch])
+            if self.packed:
+                out = self.module(mel, torch.cat([p.inputs["positions"] for p in batch]).tolist())
+            else:
+                hidden = self.module(mel)  # (windows, 1500, d)
+                S = hidden.shape[1]
+                keep = torch.cat([w * S + torch.arange(n) for w, n in enumerate(rows.tolist())])
+                out = hidden.flatten(0, 1).index_select(0, keep.to(hidden.device))
+            out = out.to("cpu")  # one device->host copy for the whole batch
+        per_item = [int(p.inputs["rows"].sum()) for p in batch]
+        return [EncodedItem(embedding=e, valid_length=int(p.inputs["frames"].sum()))
+                for e, p in zip(out.split(per_item), batch)]
+
+    def describe(self) -> dict[str, str]:
+        """Service-specific facts for Info.extra."""
+        f = self.features
+        rows = "qwen2_audio" if self.packed else f"whisper_{self.options.whisper_rows}"
+        return {"tower": type(self.module).__name__, "rows": rows, "n_mels": str(f.n_mels),
+                "sampling_rate": str(f.sampling_rate), "window_seconds": str(f.chunk_length),
+                "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature()}
+
+    def warmup(self) -> None:
+        """One silent 1 s clip through prepare and encode (kernels, backend smoke tests, allocator)."""
+        silence = pb.EncodeItem(pcm=pb.Tensor(dtype=pb.FLOAT32, shape=[self.features.sampling_rate],
+                                              data=bytes(4 * self.features.sampling_rate)),
+                                sample_rate=self.features.sampling_rate)
+        self.encode([self.prepare(silence, 0)])
+
+
+# ---- building ---------------------------------------------------------------------------------
+
+
+def _audio_config(model_dir) -> tuple[str, ModelConfig, ModelConfig]:
+    """(architecture, audio part, text part). Whisper keeps its encoder keys at the top level."""
+    text = ModelConfig.from_hf(model_dir)
+    if text.model_type == "whisper":
+        return "whisper", text, text
+    if text.model_type == "qwen2_audio":
+        return "qwen2_audio", ModelConfig.from_hf(model_dir, part="audio"), text
+    raise ConfigError(f"{model_dir}: model type {text.model_type!r} ({', '.join(text.architectures) or '?'}) has no "
+                      "audio tower this service serves (Whisper, Qwen2-Audio)")
+
+
+def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                        dummy: bool = False, options: dict | None = None, metrics=None) -> AudioEncoderModel:
+    """Build the audio tower of the checkpoint in `model_dir`, load its weights (or dummy ones), warm up.
+
+    `metrics`: where the weight-load gauges go (None: the process's installed Metrics).
+    """
+    opts = AudioOptions.from_dict(options)
+    arch, audio_cfg, text_cfg = _audio_config(model_dir)
+    try:
+        dims = AudioEncoderDims.from_config(audio_cfg)
+    except ValueError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None
+    with torch.device("meta"):
+        if arch == "whisper":
+            module = WhisperAudioEncoder(dims, dtype=dtype)
+        else:
+            module = Qwen2AudioTower(dims, text_cfg.hidden_size, dtype=dtype)
+    opened: list[Path] = []
+    if dummy:
+        report = load_dummy_weights(module, device=device, dtype=dtype, metrics=metrics)
+    else:
+        reader = CheckpointReader(model_dir, prefixes=module.checkpoint_prefixes)
+        report = load_weights(module, reader, module.mapper, module.stacked, device=device, dtype=dtype,
+                              metrics=metrics)
+        opened = reader.opened_files
+    features = FeatureConfig.from_dir(model_dir, dims.n_mels)
+    model = AudioEncoderModel(module, features, device=device, dtype=dtype, options=opts, load_report=report,
+                              opened_files=opened)
+    if opts.warmup:
+        model.warmup()
+    log.info("%s from %s: %d layers, d_model %d, %d mel bins -> rows of %d; %s", model.architecture, model_dir,
+             dims.layers, dims.d_model, dims.n_mels, model.output_hidden_size, report.summary())
+    return model
