@@ -123,6 +123,21 @@ def test_batcher_rejects_when_full_and_delivers_errors_to_the_batch_only():
     asyncio.run(asyncio.wait_for(body(), 30))
 
 
+def test_batcher_caps_queued_cost_not_only_items():
+    async def body():
+        batcher = Batcher(lambda batch: [0] * len(batch), max_batch_tokens=4, max_queue=100, max_queue_tokens=10)
+        waiting = asyncio.ensure_future(batcher.submit([_prepared(8, 1)]))  # no worker yet: it stays queued
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted, match="8 tokens of work waiting, limit 10"):
+            await batcher.submit([_prepared(5, 2)])
+        batcher.start()
+        assert await waiting == [0]
+        assert await batcher.submit([_prepared(5, 2)]) == [0]  # room again
+        await batcher.stop()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
 # -- through gRPC -------------------------------------------------------------------------------
 async def _serve(tmp_path, *flags):
     (tmp_path / "config.json").write_text("{}")

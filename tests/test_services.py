@@ -28,7 +28,8 @@ def checkpoints(tmp_path_factory):
     encoder (as pods of one real checkpoint would), its own for the others; None = started without one."""
     root = tmp_path_factory.mktemp("ckpts")
     qwen2_vl = tiny.ensure("qwen2_vl", root)
-    return {"llm": qwen2_vl, "vision_encoder": qwen2_vl, "audio_encoder": None, "vae": tiny.ensure("vae", root)}
+    return {"llm": qwen2_vl, "vision_encoder": qwen2_vl, "audio_encoder": tiny.ensure("qwen2_audio", root),
+            "vae": tiny.ensure("vae", root)}
 
 
 def _model_flags(path):

@@ -101,22 +101,31 @@ class AudioEncoderModel(EncoderModel):
         self.signature = f"{features.signature()}|{resampler.signature()}|{rows}".encode()
 
     # ---- per item, CPU ----------------------------------------------------------------------
+    def cache_key(self, item: pb.EncodeItem, index: int) -> bytes | None:
+        """The clip's bytes (or samples, dtype, shape and rate) + the model signature, before decoding."""
+        digest = hashlib.sha256(self.signature)
+        source = item.WhichOneof("source")
+        if source == "data":
+            digest.update(b"data\0" + item.data)
+        elif source == "pcm":
+            digest.update(struct.pack("<4sqq", b"pcm\0", item.pcm.dtype, item.sample_rate))
+            digest.update(repr(list(item.pcm.shape)).encode() + b"\0" + item.pcm.data)
+        else:
+            return None  # prepare() says what is wrong with it
+        return digest.digest()
+
     def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
         what = f"items[{index}]"
         max_s = self.options.max_audio_seconds
-        digest = hashlib.sha256(self.signature)
         source = item.WhichOneof("source")
         if source == "data":
             wave, rate = decode_audio(item.data, what=what, max_seconds=max_s)
             if item.sample_rate and item.sample_rate != rate:
                 raise InvalidArgument(f"{what}: sample_rate {item.sample_rate} contradicts the file's {rate} Hz "
                                       "(leave it 0 for encoded files)")
-            digest.update(b"data\0" + item.data)
         elif source == "pcm":
             pcm = from_proto(item.pcm, name=f"{what}.pcm")
             wave, rate = pcm_audio(pcm, item.sample_rate, what=what, max_seconds=max_s)
-            digest.update(struct.pack("<4sqq", b"pcm\0", item.pcm.dtype, rate))
-            digest.update(repr(list(item.pcm.shape)).encode() + b"\0" + item.pcm.data)
         elif source == "pixels":
             raise InvalidArgument(f"{what}: pixels are an image; the audio encoder takes data (WAV, FLAC, OGG) "
                                   "or pcm samples")
@@ -139,7 +148,7 @@ class AudioEncoderModel(EncoderModel):
         else:
             cost = mel.shape[0] * self.dims.window_frames
         inputs = {"mel": mel, "frames": frames, "positions": positions, "rows": rows}
-        return PreparedItem(inputs=inputs, cost=cost, cache_key=digest.digest(),
+        return PreparedItem(inputs=inputs, cost=cost, cache_key=self.cache_key(item, index),
                             meta={"valid_length": int(frames.sum()), "windows": mel.shape[0]})
 
     def _rows(self, frames: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -31,12 +31,14 @@ class _Pending:
 class Batcher:
     def __init__(self, run_batch: Callable[[list[PreparedItem]], list], *, max_batch_tokens: int,
                  max_batch_items: int = 64, window_s: float = 0.002, max_queue: int = 1024,
-                 metrics: Metrics | None = None):
+                 max_queue_tokens: int | None = None, metrics: Metrics | None = None):
         self.run_batch = run_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_items = max_batch_items
         self.window_s = window_s
         self.max_queue = max_queue
+        # Items differ wildly in size (one audio item may hold 20 windows of features): cap the cost too.
+        self.max_queue_tokens = max_queue_tokens or 64 * max_batch_tokens
         self.metrics = metrics
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
@@ -66,6 +68,10 @@ class Batcher:
             return []
         if len(self._queue) + len(items) > self.max_queue:
             raise ResourceExhausted(f"encoder queue is full ({len(self._queue)} items waiting, limit {self.max_queue})")
+        queued = self._queued_tokens()
+        if queued and queued + sum(it.cost for it in items) > self.max_queue_tokens:
+            raise ResourceExhausted(f"encoder queue is full ({queued} tokens of work waiting, limit "
+                                    f"{self.max_queue_tokens})")
         loop = asyncio.get_running_loop()
         pending = [_Pending(item, loop.create_future()) for item in items]
         self._queue.extend(pending)
