@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from modalmesh.launcher import ServiceProcess
 
@@ -32,8 +33,24 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     for service in SERVICES:
         parser.add_argument(f"--{service.replace('_', '-')}-model", default=None, metavar="DIR",
                             help=f"checkpoint directory for {service}")
+    parser.add_argument("--models-dir", default=str(Path.home() / ".cache" / "modalmesh" / "tiny"),
+                        help="where default tiny checkpoints are made (once) for services given no model")
+    parser.add_argument("--no-default-models", action="store_true",
+                        help="start services given no model without one (health and Info only)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--verbose", action="store_true", help="echo the services' logs")
+
+
+DEFAULT_MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
+
+
+def default_checkpoints(root: Path, services: list[str]) -> dict[str, Path]:
+    """Tiny random checkpoints (made once, then reused from `root`) for services given no --*-model."""
+    from modalmesh import tiny
+
+    print(f"creating / reusing tiny random default checkpoints under {root}\n"
+          "  (their outputs are meaningless: pass --llm-model DIR etc. to serve real checkpoints)", flush=True)
+    return {s: tiny.ensure(DEFAULT_MODELS[s], root) for s in services}
 
 
 def start_stack(args: argparse.Namespace) -> list[StackMember]:
@@ -41,14 +58,16 @@ def start_stack(args: argparse.Namespace) -> list[StackMember]:
     unknown = sorted(set(wanted) - set(SERVICES))
     if unknown:
         raise SystemExit(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
+    missing = [s for s in SERVICES if s in wanted and not getattr(args, f"{s}_model")]
+    defaults = default_checkpoints(Path(args.models_dir), missing) if missing and not args.no_default_models else {}
     members: list[StackMember] = []
     for i, service in enumerate(s for s in SERVICES if s in wanted):
         port = args.base_port + i if args.base_port else 0
         metrics_port = args.metrics_base_port + i if args.metrics_base_port else 0
         flags = ["--host", args.host, "--port", str(port), "--metrics-port", str(metrics_port), "--device", args.device]
-        model = getattr(args, f"{service}_model")
+        model = getattr(args, f"{service}_model") or defaults.get(service)
         if model:
-            flags += ["--model", model]
+            flags += ["--model", str(model)]
         members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose).start()))
     try:
         for member in members:

@@ -10,11 +10,13 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from modalmesh import pb
 
-def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c():
+
+def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "modalmesh.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
-         "--device", "cpu"],
+         "--device", "cpu", "--models-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     timer = threading.Timer(180, proc.kill)  # bound the test even if the stack hangs
@@ -27,10 +29,17 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c():
                 break
         endpoints = dict(re.findall(r"^(\w+)\s+(127\.0\.0\.1:\d+)\s+http://", "".join(lines), re.M))
         assert set(endpoints) == {"audio_encoder", "vision_encoder", "llm", "vae"}, "".join(lines)
-        for target in endpoints.values():
+        assert "their outputs are meaningless" in "".join(lines)
+        stubs = {"llm": pb.llm_pb2_grpc.LLMServiceStub, "vae": pb.vae_pb2_grpc.VAEServiceStub,
+                 "vision_encoder": pb.encoder_pb2_grpc.EncoderServiceStub,
+                 "audio_encoder": pb.encoder_pb2_grpc.EncoderServiceStub}
+        models = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
+        for name, target in endpoints.items():
             with grpc.insecure_channel(target) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                info = stubs[name](channel).Info(pb.InfoRequest(), timeout=10)
+                assert info.ready and info.model_id == models[name]  # the default tiny checkpoints
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, rest
