@@ -123,6 +123,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="modalmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     stack.add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
+    p = sub.add_parser("demo", help="start the stack, send an image, an audio and a latents request, stop")
+    stack.add_up_arguments(p)
+    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
     p = sub.add_parser("health", help="exit 0 if a service is SERVING (gRPC health)")
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
@@ -149,7 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--skip-scaling", action="store_true", help="latents are already unscaled")
     p.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    commands = {"up": stack.up, "health": health, "info": info, "generate": generate, "decode": decode}
+    from modalmesh.demo import demo
+
+    commands = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
     return commands[args.command](args)
 
 
