@@ -59,7 +59,8 @@ class RequestState:
 class LLMEngine:
     def __init__(self, model, pool: KVPool, tokenizer, *, eos_token_ids: tuple[int, ...], vocab_size: int,
                  max_model_len: int, device: torch.device, metrics: Metrics, max_num_seqs: int = 256,
-                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024):
+                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024,
+                 cuda_graphs: bool = True):
         self.model = model
         self.pool = pool
         self.tokenizer = tokenizer
@@ -71,7 +72,8 @@ class LLMEngine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(pool.allocator, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
                                    max_prefill_chunk=max_prefill_chunk)
-        self.runner = ModelRunner(model, pool, device, max_model_len)
+        self.runner = ModelRunner(model, pool, device, max_model_len, cuda_graphs=cuda_graphs,
+                                  max_num_seqs=max_num_seqs)
         self._inbox: queue.Queue = queue.Queue()
         self._pending = 0  # added but not yet taken by the worker
         self._lock = threading.Lock()

@@ -63,6 +63,8 @@ class LLMService(Service):
         parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one step")
         parser.add_argument("--max-prefill-chunk", type=int, default=None, help="longest prompt chunk of one step")
         parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this: RESOURCE_EXHAUSTED")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
         parser.add_argument("--vision-encoder", default=None, metavar="TARGET",
                             help="vision encoder pool, e.g. dns:///vision_encoder:50051 or ipv4:127.0.0.1:50061,...")
         parser.add_argument("--audio-encoder", default=None, metavar="TARGET", help="audio encoder pool")
@@ -117,7 +119,8 @@ class LLMService(Service):
         self.engine = LLMEngine(model, pool, self.tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
                                 max_model_len=self.max_model_len, device=self.device, metrics=self.metrics,
                                 max_num_seqs=self.args.max_num_seqs, max_batch_tokens=self.args.max_batch_tokens,
-                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue)
+                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue,
+                                cuda_graphs=not self.args.enforce_eager)
 
     async def close(self) -> None:
         if self.engine is not None:
