@@ -114,12 +114,13 @@ class TritonPaged(AttentionBackend):
 
         self._decode = _kernel()
 
-    def _sdpa(self, device: torch.device):
-        name = "sdpa_efficient" if device.type == "cuda" else "sdpa_math"
+    def _sdpa(self, q: torch.Tensor):
+        """SDPA for what the kernel does not do; the efficient kernel wants head dims in multiples of 8."""
+        name = "sdpa_efficient" if q.device.type == "cuda" and q.shape[-1] % 8 == 0 else "sdpa_math"
         return registry.probe(name).backend
 
     def dense(self, q, k, v, *, causal, scale, window):
-        return self._sdpa(q.device).dense(q, k, v, causal=causal, scale=scale, window=window)
+        return self._sdpa(q).dense(q, k, v, causal=causal, scale=scale, window=window)
 
     def paged(self, q, k_cache, v_cache, meta, *, causal, scale, window):
         if meta.is_decode:
@@ -134,7 +135,7 @@ class TritonPaged(AttentionBackend):
                 varlen = meta.cached("varlen_meta", lambda: VarlenMetadata(
                     meta.cu_seqlens_q, meta.max_seqlen_q, meta.query_lens))
                 return delegate.varlen(q, k, v, varlen, causal=causal, scale=scale, window=None)
-        return self._sdpa(q.device).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
+        return self._sdpa(q).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
 
     def _varlen_delegate(self, q):
         for name in _VARLEN_DELEGATES:
