@@ -80,6 +80,9 @@ class LLMEngine:
         self._live: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0
+        # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (forward +
+        # sampling, ends with the one host sync reading tokens), post (detokenise, stop checks, emit).
+        self.phase_seconds = {"schedule": 0.0, "model": 0.0, "post": 0.0}
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,7 +153,9 @@ class LLMEngine:
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         step = self.scheduler.schedule()
+        t1 = time.perf_counter()
         if not step.chunks:  # cannot happen while max_model_len fits the pool; never spin on it
             self._fail([self.scheduler.waiting[0]], ResourceExhausted("no KV pages for this request"))
             return
@@ -163,6 +168,7 @@ class LLMEngine:
             self._fail([c.seq for c in step.chunks], exc)
             return
         self.steps += 1
+        t2 = time.perf_counter()
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
@@ -171,6 +177,10 @@ class LLMEngine:
         for s in sampled:
             self._on_token(s.chunk.seq, s.token, s.logprob, now)
         self.pool.publish()
+        phases = self.phase_seconds
+        phases["schedule"] += t1 - t0
+        phases["model"] += t2 - t1
+        phases["post"] += time.perf_counter() - t2
 
     def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
         state: RequestState = seq.payload
