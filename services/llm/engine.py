@@ -174,15 +174,23 @@ class LLMEngine:
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
         self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in sampled})
         now = time.perf_counter()
+        batched: dict[asyncio.AbstractEventLoop, list] = {}
         for s in sampled:
-            self._on_token(s.chunk.seq, s.token, s.logprob, now)
+            state: RequestState = s.chunk.seq.payload
+            delta = self._on_token(s.chunk.seq, s.token, s.logprob, now)
+            if isinstance(state.emit, ThreadSafeEmitter):
+                batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
+            else:
+                state.emit(delta)
+        for loop, pairs in batched.items():
+            ThreadSafeEmitter.deliver(loop, pairs)
         self.pool.publish()
         phases = self.phase_seconds
         phases["schedule"] += t1 - t0
         phases["model"] += t2 - t1
         phases["post"] += time.perf_counter() - t2
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
+    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> Delta:
         state: RequestState = seq.payload
         params = state.params
         if state.last_token_at is None:
@@ -210,7 +218,7 @@ class LLMEngine:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
             delta.completion_tokens = len(seq.output_ids)
-        state.emit(delta)
+        return delta
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
         for seq in seqs:
@@ -236,11 +244,28 @@ class LLMEngine:
         return len(self.scheduler.running)
 
 
-def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> Callable[[Delta], None]:
-    def emit(delta: Delta) -> None:
-        loop.call_soon_threadsafe(out.put_nowait, delta)
+class ThreadSafeEmitter:
+    """Delivers deltas to an asyncio queue from the engine thread. The engine hands a whole step's
+    deltas for one loop over in one call (`deliver`): one wake-up of the loop per step, not per token."""
 
-    return emit
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
+        self.loop = loop
+        self.out = out
+
+    def __call__(self, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, delta)
+
+    @staticmethod
+    def deliver(loop: asyncio.AbstractEventLoop, pairs: list[tuple[asyncio.Queue, Delta]]) -> None:
+        def put_all() -> None:
+            for queue_, delta in pairs:
+                queue_.put_nowait(delta)
+
+        loop.call_soon_threadsafe(put_all)
 
 
-__all__ = ["Delta", "LLMEngine", "SeqStatus", "thread_safe_emitter"]
+def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> ThreadSafeEmitter:
+    return ThreadSafeEmitter(loop, out)
+
+
+__all__ = ["Delta", "LLMEngine", "SeqStatus", "ThreadSafeEmitter", "thread_safe_emitter"]

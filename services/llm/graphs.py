@@ -90,9 +90,7 @@ class DecodeGraphs:
         n = len(input_ids)
         b = next(s for s in self.sizes if s >= n)
         width = max(len(r) for r in block_rows)
-        table = torch.zeros((n, width), dtype=torch.int32)
-        for i, row in enumerate(block_rows):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        table = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
         pad = b - n
         self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         if self.uses_mrope:
