@@ -161,7 +161,10 @@ class LLMService(Service):
         finished = False
         try:
             while not finished:
-                delta = await out.get()
+                deltas = [await out.get()]
+                while not out.empty():  # behind the engine: send what has piled up as one message
+                    deltas.append(out.get_nowait())
+                delta = _merge(deltas)
                 if delta.error is not None:
                     finished = True
                     if isinstance(delta.error, ModalmeshError):
@@ -172,6 +175,21 @@ class LLMService(Service):
         finally:
             if not finished:  # cancelled: the client went away or the deadline passed
                 self.engine.abort(rid)
+
+
+def _merge(deltas: list[Delta]) -> Delta:
+    if len(deltas) == 1:
+        return deltas[0]
+    merged = Delta()
+    for d in deltas:
+        merged.token_ids += d.token_ids
+        merged.text += d.text
+        merged.logprobs += d.logprobs
+        if d.finish_reason is not None or d.error is not None:
+            merged.finish_reason, merged.error = d.finish_reason, d.error
+            merged.prompt_tokens, merged.completion_tokens = d.prompt_tokens, d.completion_tokens
+            break  # nothing follows the last delta of a request
+    return merged
 
 
 def _response(delta: Delta) -> pb.GenerateResponse:
