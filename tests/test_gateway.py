@@ -417,7 +417,7 @@ def test_client_disconnect_mid_stream_cancels_generation_and_frees_kv_pages(stac
     assert r.status == 200
     events = 0
     while events < 4:  # the role chunk and a few tokens
-        line = r.fp.readline()
+        line = r.readline()
         assert line, "stream ended early"
         events += line.startswith(b"data: ")
     assert llm_info(llm.target).pools[0].used_tokens > 0  # the request holds KV pages now
@@ -595,3 +595,28 @@ def test_api_key_is_required_when_set(scripted):
     status, _, body = post(gw, "/v1/completions", {"prompt": "x"})
     assert_openai_error(status, body, 401, code="invalid_api_key")
     assert gw.health()[0] in (200, 503)  # /health needs no key
+
+
+# ---- drain ---------------------------------------------------------------------------------------
+def test_sigterm_lets_in_flight_streams_finish_then_exits_0(stack):
+    gw = GatewayProcess([*GATEWAY, "--llm", stack["llm"].target]).start()
+    try:
+        gw.wait_serving(timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": "A long story:", "max_tokens": 120, "ignore_eos": True, "temperature": 0, "stream": True}),
+            {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        first = r.readline()
+        assert first.startswith(b"data: ")
+        gw.send_sigterm()
+        rest = r.read().decode().split("\n\n")
+        conn.close()
+        assert rest[-2:] == ["data: [DONE]", ""]
+        finish = json.loads(rest[-3][6:])["choices"][0]
+        assert finish["finish_reason"] == "length"
+        assert gw.proc.wait(timeout=30) == 0
+        with pytest.raises(OSError):  # nothing listens any more
+            http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=5).request("GET", "/health")
+    finally:
+        gw.terminate(timeout=30)
