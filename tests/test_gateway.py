@@ -301,6 +301,25 @@ def test_completions_plain_prompt_equals_grpc_generate(stack):
     assert r.choices[0].text == want  # token-id prompts go through as token ids
 
 
+def test_concurrent_requests_through_the_gateway_each_equal_grpc_generate(stack):
+    c = client(stack["gw"])
+    cases = [[image_part(png(56, 56 + 28 * (i % 2), 20 + i)), {"type": "text", "text": f"case {i}"}] if i % 2 == 0
+             else [{"type": "text", "text": f"just text {i}"}] for i in range(6)]
+
+    def run(i):
+        kw = dict(model="qwen2_vl", messages=[{"role": "user", "content": cases[i]}], max_tokens=8, temperature=0)
+        if i % 3 == 0:
+            return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw))
+        return c.chat.completions.create(**kw).choices[0].message.content
+
+    with futures.ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(run, range(len(cases))))
+    for parts, text in zip(cases, got):
+        want, *_ = grpc_generate(stack["llm"].target, chat=grpc_chat(parts),
+                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=8))
+        assert text == want
+
+
 # ---- audio ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3"])
 def test_chat_with_audio_equals_grpc_generate(stack, fmt):
@@ -504,6 +523,25 @@ def test_bad_latents_are_400(stack, body, ctype, param):
 def test_images_decode_without_a_vae_is_501(stack):
     status, _, got = post(stack["audio_gw"], "/v1/images/decode", b"x", {"Content-Type": "application/octet-stream"})
     assert_openai_error(status, got, 501, code="not_configured")
+
+
+def test_an_unreachable_llm_is_503_and_health_says_why():
+    gw = GatewayProcess([*GATEWAY, "--llm", "ipv4:127.0.0.1:1"]).start()  # nothing listens on port 1
+    try:
+        gw.wait_listening()
+        deadline = time.monotonic() + 30
+        status, body = gw.health()
+        while body.get("services", {}).get("llm", {}).get("status") != "UNREACHABLE":
+            assert time.monotonic() < deadline, body
+            time.sleep(0.05)
+            status, body = gw.health()
+        assert status == 503 and body["status"] == "unavailable" and "UNAVAILABLE" in body["services"]["llm"]["detail"]
+        got_status, _, got = post(gw, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert_openai_error(got_status, got, 503, code="not_ready")
+        with pytest.raises(openai.InternalServerError):
+            client(gw).models.list()
+    finally:
+        assert gw.terminate(timeout=30) == 0
 
 
 # ---- error paths of a scripted LLM: 429, 503, mid-stream failure, auth ---------------------------------
