@@ -48,7 +48,8 @@ def png(h, w, seed):
 
 def audio(seconds, seed, fmt="WAV", subtype="FLOAT"):
     t = np.arange(int(seconds * 16000)) / 16000
-    signal = 0.4 * np.sin(2 * math.pi * (220 + 90 * seed) * t) + 0.05 * np.random.default_rng(seed).standard_normal(t.shape)
+    noise = np.random.default_rng(seed).standard_normal(t.shape)
+    signal = 0.4 * np.sin(2 * math.pi * (220 + 90 * seed) * t) + 0.05 * noise
     buf = io.BytesIO()
     sf.write(buf, signal.astype(np.float32), 16000, format=fmt, subtype=subtype)
     return buf.getvalue()
@@ -258,12 +259,14 @@ def test_file_urls_only_under_the_allowed_media_path(stack):
     url = (stack["media"] / "cat.png").as_uri()
     r = c.chat.completions.create(model="qwen2_vl", max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
-    want, *_ = grpc_generate(stack["llm"].target, chat=grpc_chat([image_part((stack["media"] / "cat.png").read_bytes())]),
+    cat = image_part((stack["media"] / "cat.png").read_bytes())
+    want, *_ = grpc_generate(stack["llm"].target, chat=grpc_chat([cat]),
                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=4))
     assert r.choices[0].message.content == want
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model="qwen2_vl", max_tokens=2, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": (stack["vl"] / "config.json").as_uri()}}]}])
+            {"role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": (stack["vl"] / "config.json").as_uri()}}]}])
     assert err.value.body["param"] == "messages[0].content[0].image_url.url"
 
 
@@ -408,7 +411,8 @@ def test_the_openai_client_raises_its_typed_errors_and_the_stack_stays_up(stack)
     assert err.value.status_code == 400 and "messages[0].content[0]" in err.value.message
     for name in ("vision", "audio_enc", "vae", "llm", "audio_llm", "gw", "audio_gw"):
         assert stack[name].proc.poll() is None, name
-    r = c.chat.completions.create(model="qwen2_vl", messages=[{"role": "user", "content": [image_part(png(56, 56, 9))]}],
+    r = c.chat.completions.create(model="qwen2_vl",
+                                  messages=[{"role": "user", "content": [image_part(png(56, 56, 9))]}],
                                   max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     status, body = stack["gw"].health()

@@ -45,7 +45,8 @@ def refused(fn, *args, status=400, expect_param=None, **kw) -> APIError:
 
 # ---- requests -------------------------------------------------------------------------------------
 def test_chat_messages_become_grpc_chat_parts_in_order():
-    body = chat([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(b"IMG")}},
+    body = chat([{"type": "text", "text": "a"},
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(b"IMG")}},
                  {"type": "input_audio", "input_audio": {"data": b64(b"WAV"), "format": "wav"}}])
     body["messages"].insert(0, {"role": "developer", "content": "sys"})
     parsed = protocol.chat_request(body, LIMITS, "rid")
@@ -102,7 +103,8 @@ def test_completion_prompts():
     ([{"type": "text", "text": 3}], "messages[0].content[0].text"),
     (5, "messages[0].content"),
     ([{"type": "image_url", "image_url": {}}], "messages[0].content[0].image_url.url"),
-    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "messages[0].content[0].input_audio.data"),
+    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+     "messages[0].content[0].input_audio.data"),
     ([{"type": "audio_url", "audio_url": {"url": "https://x/a.wav"}}], "messages[0].content[0].audio_url"),
 ])
 def test_bad_content_parts(content, param):
@@ -111,17 +113,20 @@ def test_bad_content_parts(content, param):
 
 def test_data_urls():
     part = lambda url: {"image_url": {"url": url}}  # noqa: E731
-    assert image_bytes(part("data:image/png;base64," + b64(b"x" * 10)), param="p", max_bytes=10, local_root=None) == b"x" * 10
+    url = "data:image/png;base64," + b64(b"x" * 10)
+    assert image_bytes(part(url), param="p", max_bytes=10, local_root=None) == b"x" * 10
     assert image_bytes({"image_url": "data:;base64," + b64(b"y")}, param="p", max_bytes=10, local_root=None) == b"y"
     assert refused(image_bytes, part("data:image/png;base64," + b64(b"x" * 11)), param="p", max_bytes=10,
                    local_root=None).code == "image_too_large"
-    for url, code in [("data:image/png," + b64(b"x"), "invalid_image_url"), ("data:image/png;base64,a b", "invalid_image"),
+    for url, code in [("data:image/png," + b64(b"x"), "invalid_image_url"),
+                      ("data:image/png;base64,a b", "invalid_image"),
                       ("data:audio/wav;base64,AAAA", "invalid_image_url"), ("ftp://x", "invalid_image_url"),
                       ("file:///etc/hostname", "file_urls_disabled"), ("http://x/y.png", "unsupported_image_url")]:
         assert refused(image_bytes, part(url), param="p", max_bytes=100, local_root=None).code == code, url
     ok = {"input_audio": {"data": b64(b"RIFF"), "format": "WAV"}}
     assert audio_bytes(ok, param="p", max_bytes=10) == b"RIFF"
-    assert audio_bytes({"input_audio": {"data": "data:audio/wav;base64," + b64(b"RIFF")}}, param="p", max_bytes=10) == b"RIFF"
+    as_url = {"input_audio": {"data": "data:audio/wav;base64," + b64(b"RIFF")}}
+    assert audio_bytes(as_url, param="p", max_bytes=10) == b"RIFF"
     assert refused(audio_bytes, {"input_audio": {"data": b64(b"RIFF"), "format": "aac"}}, param="p",
                    max_bytes=10).param == "p.input_audio.format"
 

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from services.gateway.errors import APIError, bad_request
+from services.gateway.errors import bad_request
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
@@ -125,8 +125,3 @@ def audio_bytes(part: dict, *, param: str, max_bytes: int) -> bytes:
         return parse_data_url(data, what=pdata, param=pdata, kind="audio", max_bytes=max_bytes)
     return _b64decode(data, what=pdata, param=pdata, max_bytes=max_bytes, code="audio")
 
-
-def check_size(n: int, limit: int, what: str, param: str | None = None) -> None:
-    if n > limit:
-        raise APIError(413, f"{what} is {n} bytes; this server accepts at most {limit} bytes", param=param,
-                       code="payload_too_large")

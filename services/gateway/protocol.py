@@ -158,7 +158,7 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _model(body: dict) -> str | None:
+def requested_model(body: dict) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
@@ -234,7 +234,7 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
     stream, include_usage = _stream_options(body)
     sampling = sampling_params(body, chat=True)
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
-    return ParsedRequest("chat", _model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
+    return ParsedRequest("chat", requested_model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
                          item_params)
 
 
@@ -260,7 +260,7 @@ def completion_request(body: dict, request_id: str) -> ParsedRequest:
         _unsupported("suffix", "no insertion")
     stream, include_usage = _stream_options(body)
     req.sampling.CopyFrom(sampling_params(body, chat=False))
-    return ParsedRequest("completion", _model(body), req, stream, include_usage, req.sampling.logprobs > 0)
+    return ParsedRequest("completion", requested_model(body), req, stream, include_usage, req.sampling.logprobs > 0)
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
-from aiohttp.client_exceptions import ClientConnectionResetError
 
 import modalmesh
 from modalmesh import metrics as metrics_mod
@@ -240,7 +239,7 @@ class Gateway:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await self._json(request)
         llm = self._require(self.llm, "--llm")
-        model = self._check_model(protocol._model(body))
+        model = self._check_model(protocol.requested_model(body))
         rid = protocol.new_id(kind)
         if kind == "chat":
             parse = lambda: protocol.chat_request(body, self.limits, rid)  # noqa: E731
@@ -328,7 +327,7 @@ class Gateway:
                 await response.write(_sse(err.body()))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except (ConnectionResetError, ClientConnectionResetError):
+        except ConnectionResetError:  # aiohttp raises its ClientConnectionResetError, a subclass
             request["status_override"] = CLIENT_CLOSED
             call.cancel()
         return response
