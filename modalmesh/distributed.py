@@ -115,9 +115,19 @@ def _launched(rank: int, world_size: int, backend: str, port: int, fn: Callable,
     # One thread per rank: N CPU ranks each using every core just thrash.
     torch.set_num_threads(1)
     init_tp(rank, world_size, backend=backend, timeout_s=120.0)
+    ok = False
     try:
         fn(rank, world_size, *args)
+        ok = True
     finally:
+        if ok:
+            # Tear down together: a rank destroying its group while a peer's gloo threads still talk to
+            # it can abort the process ("terminate called without an active exception"). If a peer
+            # failed, the barrier breaks: that peer's own error is the one the launcher must report.
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass
         destroy_tp()
 
 
