@@ -73,16 +73,19 @@ class ModelRunner:
         return all(c.length == 1 and c.sample and c.start >= len(c.seq.prompt_ids) for c in step.chunks)
 
     def _run_graph(self, step: Step) -> torch.Tensor:
+        # Plain Python per sequence (no small tensors): at batch 256 this loop is on every step.
         alloc = self.pool.allocator
         ids, slots, rows, lens, positions = [], [], [], [], []
         for c in step.chunks:
             seq = c.seq
-            ids += seq.token_ids(c.start, c.start + 1)
+            ids.append(seq.output_ids[c.start - len(seq.prompt_ids)])  # decode: the last sampled token
             slots += alloc.slot_mapping(seq.seq_id, c.start, c.start + 1)
             rows.append(alloc.pages(seq.seq_id))
             lens.append(c.start + 1)
-            positions.append(self._positions(c, seq.payload.prompt))
-        return self.graphs.run(ids, torch.cat(positions, dim=-1), slots, rows, lens)
+            prompt = seq.payload.prompt
+            positions.append(c.start + (prompt.mrope_delta if self.uses_mrope else 0))
+        pos = torch.tensor(positions)
+        return self.graphs.run(ids, pos.expand(3, -1) if self.uses_mrope else pos, slots, rows, lens)
 
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
