@@ -163,8 +163,10 @@ def stack(request):
         TIMINGS.parent.mkdir(exist_ok=True)
         TIMINGS.write_text(json.dumps({k: round(v, 1) for k, v in s.timings.items()}, indent=1))
         reporter = request.config.pluginmanager.getplugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("\ncompose timings: " + ", ".join(f"{k}={v:.1f}" for k, v in s.timings.items()))
+        capture = request.config.pluginmanager.getplugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line("\ncompose timings (s): " + ", ".join(f"{k}={v:.1f}" for k, v in s.timings.items()))
         assert down.returncode == 0 and not left, f"down -v failed: {down.stderr[-2000:]} left={left}"
 
 
