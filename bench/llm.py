@@ -137,13 +137,17 @@ def main() -> int:
                        max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8))
     engine.start()
     run_ours(engine, prompts(2, 16), 4)  # warm-up
+    graphs = engine.runner.graphs is not None
     print(f"attention backend (llm): {model_backend(model)}; KV pool {pool.allocator.capacity_tokens} tokens")
     bw = copy_bandwidth(device)
     limit = bw / weight_bytes
     print(f"weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s; batch-1 limit {limit:.0f} tok/s")
-    ours = {}
+    ours, phases = {}, {}
     for b in batches:
+        before, steps = dict(engine.phase_seconds), engine.steps
         ours[b] = run_ours(engine, prompts(b), args.new_tokens)
+        n = max(1, engine.steps - steps)
+        phases[b] = {k: (engine.phase_seconds[k] - before[k]) / n * 1e3 for k in before}
     _, ttft_2k = run_ours(engine, prompts(1, 2048), 1)
     engine.stop()
     del engine, model, pool
@@ -167,6 +171,9 @@ def main() -> int:
         h = hf.get(b, float("nan"))
         print(f"{b:>6} {tps:>12.1f} {h:>10.1f} {tps / h if h == h else float('nan'):>7.1f}x {ttft * 1e3:>13.1f}")
     print(f"batch-1 limit {limit:.0f} tok/s: ours at {ours[batches[0]][0] / limit * 100:.1f}% of it")
+    print(f"CUDA graphs for decode: {'yes' if graphs else 'no'}; mean ms per engine step by phase:")
+    for b in batches:
+        print(f"   batch {b:>4}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[b].items()))
     print(f"TTFT of a 2048-token prompt, idle engine: {ttft_2k * 1e3:.1f} ms")
     return 0
 

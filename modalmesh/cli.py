@@ -45,10 +45,87 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"cannot read {path}: {exc.strerror}") from None
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Stream a completion; images and audio go as raw bytes for the LLM's encoder pools."""
+    items = [pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=_read(p))) for p in args.image]
+    items += [pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=_read(p))) for p in args.audio]
+    sampling = pb.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    if args.raw:
+        request = pb.GenerateRequest(text=args.prompt, items=items, sampling=sampling)
+    else:
+        parts = [pb.ContentPart(item=item) for item in items] + [pb.ContentPart(text=args.prompt)]
+        request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=parts)]),
+                                     sampling=sampling)
+    with sync_channel(args.target) as channel:
+        try:
+            for reply in pb.llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=args.timeout):
+                print(reply.text, end="", flush=True)
+                if reply.finish_reason:
+                    print(f"\n[{pb.FinishReason.Name(reply.finish_reason).lower()}: "
+                          f"{reply.usage.prompt_tokens} prompt + {reply.usage.completion_tokens} completion tokens]",
+                          file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\n{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def load_latents(path: str):
+    """Latents from a .safetensors file (its only tensor, or one named 'latents') or a .npy file."""
+    import numpy as np
+    import torch
+
+    if path.endswith(".npy"):
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    if "latents" in tensors:
+        return tensors["latents"]
+    if len(tensors) != 1:
+        raise SystemExit(f"{path}: holds {sorted(tensors)}; name the tensor 'latents'")
+    return next(iter(tensors.values()))
+
+
+def decode(args: argparse.Namespace) -> int:
+    from modalmesh.rpc.codec import to_proto
+
+    latents = load_latents(args.latents)
+    if latents.dim() == 3:
+        latents = latents.unsqueeze(0)
+    request = pb.DecodeRequest(latents=to_proto(latents), output=pb.PNG, skip_scaling=args.skip_scaling)
+    with sync_channel(args.target) as channel:
+        try:
+            reply = pb.vae_pb2_grpc.VAEServiceStub(channel).Decode(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    outputs = [args.output] if len(reply.png) == 1 else [
+        args.output.replace(".png", f"-{i}.png") for i in range(len(reply.png))]
+    for path, data in zip(outputs, reply.png):
+        with open(path, "wb") as f:
+            f.write(data)
+        print(path)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="modalmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     stack.add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
+    p = sub.add_parser("demo", help="start the stack, send an image, an audio and a latents request, stop")
+    stack.add_up_arguments(p)
+    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
     p = sub.add_parser("health", help="exit 0 if a service is SERVING (gRPC health)")
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
@@ -57,12 +134,28 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--kind", choices=sorted(_INFO_STUBS), default="llm", help="which service API the target speaks")
     p.add_argument("--timeout", type=float, default=10.0)
+    p = sub.add_parser("generate", help="stream a completion from the LLM service")
+    p.add_argument("prompt")
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--audio", action="append", default=[], help="audio file: WAV, FLAC, OGG (repeatable)")
+    p.add_argument("--target", default="127.0.0.1:50053")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is (with placeholders), not as a chat")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p = sub.add_parser("decode", help="decode latents to PNG through the VAE service")
+    p.add_argument("latents", help=".safetensors or .npy file with (B, C, h, w) or (C, h, w) latents")
+    p.add_argument("-o", "--output", default="out.png")
+    p.add_argument("--target", default="127.0.0.1:50054")
+    p.add_argument("--skip-scaling", action="store_true", help="latents are already unscaled")
+    p.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    if args.command == "up":
-        return stack.up(args)
-    if args.command == "health":
-        return health(args)
-    return info(args)
+    from modalmesh.demo import demo
+
+    commands = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -108,8 +108,13 @@ class BoundMetric:
         self.metric = metric
         self.service = service
         self.labelnames = labelnames
+        self._child = None  # the service-only child, looked up once (hot paths observe per token)
 
     def labels(self, **labels):
+        if not labels:
+            if self._child is None:
+                self._child = self.metric.labels(service=self.service)
+            return self._child
         return self.metric.labels(service=self.service, **{k: str(v) for k, v in labels.items()})
 
     def remove(self, **labels) -> None:

@@ -61,14 +61,24 @@ def start_stack(args: argparse.Namespace) -> list[StackMember]:
     missing = [s for s in SERVICES if s in wanted and not getattr(args, f"{s}_model")]
     defaults = default_checkpoints(Path(args.models_dir), missing) if missing and not args.no_default_models else {}
     members: list[StackMember] = []
-    for i, service in enumerate(s for s in SERVICES if s in wanted):
+    order = [s for s in SERVICES if s in wanted]
+    host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
+    # Encoders and the VAE first: the LLM is started pointing at the encoders' bound ports.
+    for service in sorted(order, key=lambda s: s == "llm"):
+        i = SERVICES.index(service)
         port = args.base_port + i if args.base_port else 0
         metrics_port = args.metrics_base_port + i if args.metrics_base_port else 0
         flags = ["--host", args.host, "--port", str(port), "--metrics-port", str(metrics_port), "--device", args.device]
         model = getattr(args, f"{service}_model") or defaults.get(service)
         if model:
             flags += ["--model", str(model)]
+        if service == "llm":
+            for member in members:
+                if member.service in ("vision_encoder", "audio_encoder"):
+                    grpc_port, _ = member.process.wait_listening(timeout=args.startup_timeout)
+                    flags += [f"--{member.service.replace('_', '-')}", f"ipv4:{host}:{grpc_port}"]
         members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose).start()))
+    members.sort(key=lambda m: SERVICES.index(m.service))
     try:
         for member in members:
             member.process.wait_serving(timeout=args.startup_timeout, host=args.host if args.host != "0.0.0.0" else "127.0.0.1")

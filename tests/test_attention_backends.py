@@ -197,7 +197,7 @@ def test_reference_single_key_returns_value_and_masked_row_is_zero():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "torch_varlen",
-                                  "fa2", "fa3", "torch_naive"])
+                                  "fa2", "fa3", "triton_paged", "torch_naive"])
 def test_cuda_bf16_agrees_with_naive(name, case):
     from modalmesh.attention import detect_platform
 

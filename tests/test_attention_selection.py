@@ -60,7 +60,7 @@ def _kernel_module(name: str, *, kvcache: bool = True) -> types.ModuleType:
 @pytest.fixture(autouse=True)
 def fresh_probes(monkeypatch):
     """No real flash kernels here; each test states which fake ones exist."""
-    for name in ("flash_attn_interface", "fa3_fwd_interface", "flash_attn"):
+    for name in ("flash_attn_interface", "fa3_fwd_interface", "flash_attn", "triton"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     monkeypatch.delenv(ENV_VAR, raising=False)
     registry.forget_probes()

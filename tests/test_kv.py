@@ -241,3 +241,15 @@ def test_build_kv_pool_from_a_config(monkeypatch):
     pool = build_kv_pool(cfg, "cpu", mem_fraction=0.5, metrics=metrics)
     assert pool.layout.bytes_per_token == 768 and pool.plan.num_pages == 42
     assert pool.nbytes <= (1 << 19)
+
+
+def test_reserved_page_leaves_circulation_without_counting_as_used():
+    from modalmesh.kv.allocator import PageAllocator
+
+    alloc = PageAllocator(num_pages=3, page_size=4)
+    page = alloc.reserve_page()
+    assert alloc.capacity_tokens == 8 and alloc.used_tokens == 0 and alloc.num_free_pages == 2
+    assert alloc.allocate("a", 8) and page not in alloc.pages("a")
+    assert not alloc.allocate("b", 1)
+    alloc.free("a")
+    assert alloc.num_free_pages == 2 and page not in alloc._free

@@ -27,11 +27,12 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-llm")
 
 
-def _engine(model, cfg, tokenizer, dtype):
+def _engine(model, cfg, tokenizer, dtype, cuda_graphs=True):
     metrics = Metrics("llm", process_metrics=False)
     pool = build_kv_pool(cfg, "cuda", max_model_len=256, dtype=dtype, kv_cache_tokens=2048, metrics=metrics)
     return LLMEngine(model, pool, tokenizer, eos_token_ids=(), vocab_size=cfg.vocab_size, max_model_len=256,
-                     device=torch.device("cuda"), metrics=metrics, max_batch_tokens=24)
+                     device=torch.device("cuda"), metrics=metrics, max_batch_tokens=24, max_num_seqs=8,
+                     cuda_graphs=cuda_graphs)
 
 
 def _generate(engine, prompts, n):
@@ -97,3 +98,23 @@ def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family):
     scale = ref.abs().max().item()
     assert (ours - ref).abs().max().item() <= 0.05 * scale
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt_neox", "qwen2_vl"])
+def test_cuda_graph_decode_equals_eager_decode(root, family):
+    from transformers import AutoTokenizer
+
+    path = tiny.ensure(family, root)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    results = {}
+    for graphs in (True, False):
+        model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.bfloat16)
+        engine = _engine(model, cfg, tokenizer, torch.bfloat16, cuda_graphs=graphs)
+        assert (engine.runner.graphs is not None) == graphs, "triton_paged should make decode graph-safe"
+        engine.start()
+        try:
+            results[graphs] = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 20)  # 5 sequences: a padded bucket
+        finally:
+            engine.stop()
+        assert engine.pool.allocator.used_tokens == 0
+    assert results[True] == results[False]

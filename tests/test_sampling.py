@@ -45,7 +45,7 @@ def test_repetition_penalty_and_temperature_equal_hf():
 
 def test_greedy_is_argmax_and_logprobs_are_raw():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.5]])
-    rows = [SamplerRow.create(SamplingParams(temperature=0.0), [], torch.device("cpu")) for _ in range(2)]
+    rows = [SamplerRow.create(SamplingParams(temperature=0.0, logprobs=1), [], torch.device("cpu")) for _ in range(2)]
     tokens, logprobs = sample(logits, rows)
     assert tokens.tolist() == [1, 0]
     torch.testing.assert_close(logprobs, logits.log_softmax(-1)[[0, 1], [1, 0]])

@@ -56,3 +56,56 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_runs_three_requests_and_stops(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "modalmesh.cli", "demo", "--base-port", "0", "--metrics-base-port", "0",
+         "--device", "cpu", "--models-dir", str(tmp_path / "models"), "--out-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    out = result.stdout
+    assert "1. image + text" in out and "2. audio + text" in out and "16 completion tokens" in out
+    assert (tmp_path / "out" / "demo.png").read_bytes().startswith(b"\x89PNG")
+    assert "1 images encoded" in out
+    assert "stopped: audio_encoder=0, vision_encoder=0, llm=0, vae=0" in out
+
+
+def test_cli_generate_and_decode_against_a_running_stack(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "modalmesh.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
+         "--device", "cpu", "--models-dir", str(tmp_path / "models"), "--services", "vision_encoder,llm,vae"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    timer = threading.Timer(240, proc.kill)
+    timer.start()
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "all services SERVING" in line:
+                break
+        endpoints = dict(re.findall(r"^(\w+)\s+(127\.0\.0\.1:\d+)\s+http://", "".join(lines), re.M))
+        from PIL import Image
+
+        Image.new("RGB", (64, 48), (200, 30, 90)).save(tmp_path / "a.png")
+        gen = subprocess.run([sys.executable, "-m", "modalmesh.cli", "generate", "What colour?", "--image",
+                              str(tmp_path / "a.png"), "--max-tokens", "5", "--target", endpoints["llm"]],
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        assert "[length:" in gen.stderr and "5 completion tokens" in gen.stderr
+        save_file({"latents": torch.zeros(1, 4, 8, 8)}, str(tmp_path / "z.safetensors"))
+        dec = subprocess.run([sys.executable, "-m", "modalmesh.cli", "decode", str(tmp_path / "z.safetensors"),
+                              "-o", str(tmp_path / "z.png"), "--target", endpoints["vae"]],
+                             capture_output=True, text=True, timeout=120)
+        assert dec.returncode == 0, dec.stderr
+        assert Image.open(tmp_path / "z.png").size == (16, 16)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -31,7 +31,7 @@ _H200_HD64_LONG = "H200 bf16 hd64 s1500 (Whisper): fa3 475 TFLOP/s > sdpa_cudnn 
 _H200_FP32 = ("H200 fp32 hd512 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0 at s4096, "
               "41.8 > 39.6 at s16384")
 _H200_VARLEN = "H200 bf16 packed hd128: fa3 633 TFLOP/s > torch_varlen 317"
-_PAGED = "unmeasured: native paged-KV kernels first, SDPA gathers pages"
+_PAGED = "native paged-KV kernels first (triton_paged: no page gather, CUDA-graph safe), SDPA gathers pages"
 _FP32 = ("sdpa_efficient", "sdpa_math")  # what FP32 falls to on GPUs
 
 
@@ -87,13 +87,13 @@ RANKING: tuple[RankRule, ...] = (
     RankRule(**HOPPER, layout="dense", why=_H200_HD128,
              order=("fa3", "sdpa_cudnn", "sdpa_flash", "fa2", "torch_varlen", *_FP32)),
     RankRule(**HOPPER, layout="varlen", why=_H200_VARLEN, order=("fa3", "torch_varlen", "fa2", *_FP32)),
-    RankRule(**HOPPER, layout="paged", why=_PAGED, order=("fa3", "fa2", "torch_varlen", *_FP32)),
+    RankRule(**HOPPER, layout="paged", why=_PAGED, order=("triton_paged", "fa3", "fa2", "torch_varlen", *_FP32)),
     # Blackwell (sm100/sm103): no FA3 build exists; FA4 would slot in first once registered.
     RankRule(**BLACKWELL, layout="dense", why="sm100+: no FA3; cuDNN then flash SDPA (unmeasured)",
              order=("sdpa_cudnn", "sdpa_flash", "fa2", "torch_varlen", *_FP32)),
     RankRule(**BLACKWELL, layout="varlen", why="sm100+: no FA3; torch varlen (unmeasured)",
              order=("torch_varlen", "fa2", *_FP32)),
-    RankRule(**BLACKWELL, layout="paged", why=_PAGED, order=("fa2", "torch_varlen", *_FP32)),
+    RankRule(**BLACKWELL, layout="paged", why=_PAGED, order=("fa2", "torch_varlen", "triton_paged", *_FP32)),
     # Ampere / Ada: FA2 is what torch's flash SDPA wraps; cuDNN attention is not torch's pick there.
     RankRule(**AMPERE_ADA, layout="dense", why="sm8x: flash kernels first, as torch orders them (unmeasured)",
              order=("fa2", "sdpa_flash", "torch_varlen", "sdpa_cudnn", *_FP32)),

@@ -112,6 +112,16 @@ class PageAllocator:
         self._used_tokens += num_new_tokens
         return True
 
+    def reserve_page(self) -> int:
+        """Take one free page out of circulation for good (e.g. a scratch page padding rows write to).
+
+        It belongs to no sequence and leaves the capacity, so usage figures stay exact.
+        """
+        if not self._free:
+            raise InvalidArgument("no free page to reserve")
+        self.num_pages -= 1
+        return self._free.pop()
+
     def free(self, seq_id: Hashable) -> int:
         """Return a sequence's pages to the free list; returns how many pages came back."""
         seq = self._seqs.pop(seq_id, None)

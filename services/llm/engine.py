@@ -59,7 +59,8 @@ class RequestState:
 class LLMEngine:
     def __init__(self, model, pool: KVPool, tokenizer, *, eos_token_ids: tuple[int, ...], vocab_size: int,
                  max_model_len: int, device: torch.device, metrics: Metrics, max_num_seqs: int = 256,
-                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024):
+                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024,
+                 cuda_graphs: bool = True):
         self.model = model
         self.pool = pool
         self.tokenizer = tokenizer
@@ -71,13 +72,17 @@ class LLMEngine:
         self.max_queue = max_queue
         self.scheduler = Scheduler(pool.allocator, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
                                    max_prefill_chunk=max_prefill_chunk)
-        self.runner = ModelRunner(model, pool, device, max_model_len)
+        self.runner = ModelRunner(model, pool, device, max_model_len, cuda_graphs=cuda_graphs,
+                                  max_num_seqs=max_num_seqs)
         self._inbox: queue.Queue = queue.Queue()
         self._pending = 0  # added but not yet taken by the worker
         self._lock = threading.Lock()
         self._live: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0
+        # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (forward +
+        # sampling, ends with the one host sync reading tokens), post (detokenise, stop checks, emit).
+        self.phase_seconds = {"schedule": 0.0, "model": 0.0, "post": 0.0}
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,7 +153,9 @@ class LLMEngine:
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         step = self.scheduler.schedule()
+        t1 = time.perf_counter()
         if not step.chunks:  # cannot happen while max_model_len fits the pool; never spin on it
             self._fail([self.scheduler.waiting[0]], ResourceExhausted("no KV pages for this request"))
             return
@@ -161,16 +168,29 @@ class LLMEngine:
             self._fail([c.seq for c in step.chunks], exc)
             return
         self.steps += 1
+        t2 = time.perf_counter()
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
         self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in sampled})
         now = time.perf_counter()
+        batched: dict[asyncio.AbstractEventLoop, list] = {}
         for s in sampled:
-            self._on_token(s.chunk.seq, s.token, s.logprob, now)
+            state: RequestState = s.chunk.seq.payload
+            delta = self._on_token(s.chunk.seq, s.token, s.logprob, now)
+            if isinstance(state.emit, ThreadSafeEmitter):
+                batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
+            else:
+                state.emit(delta)
+        for loop, pairs in batched.items():
+            ThreadSafeEmitter.deliver(loop, pairs)
         self.pool.publish()
+        phases = self.phase_seconds
+        phases["schedule"] += t1 - t0
+        phases["model"] += t2 - t1
+        phases["post"] += time.perf_counter() - t2
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
+    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> Delta:
         state: RequestState = seq.payload
         params = state.params
         if state.last_token_at is None:
@@ -198,7 +218,7 @@ class LLMEngine:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
             delta.completion_tokens = len(seq.output_ids)
-        state.emit(delta)
+        return delta
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
         for seq in seqs:
@@ -224,11 +244,28 @@ class LLMEngine:
         return len(self.scheduler.running)
 
 
-def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> Callable[[Delta], None]:
-    def emit(delta: Delta) -> None:
-        loop.call_soon_threadsafe(out.put_nowait, delta)
+class ThreadSafeEmitter:
+    """Delivers deltas to an asyncio queue from the engine thread. The engine hands a whole step's
+    deltas for one loop over in one call (`deliver`): one wake-up of the loop per step, not per token."""
 
-    return emit
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
+        self.loop = loop
+        self.out = out
+
+    def __call__(self, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, delta)
+
+    @staticmethod
+    def deliver(loop: asyncio.AbstractEventLoop, pairs: list[tuple[asyncio.Queue, Delta]]) -> None:
+        def put_all() -> None:
+            for queue_, delta in pairs:
+                queue_.put_nowait(delta)
+
+        loop.call_soon_threadsafe(put_all)
 
 
-__all__ = ["Delta", "LLMEngine", "SeqStatus", "thread_safe_emitter"]
+def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> ThreadSafeEmitter:
+    return ThreadSafeEmitter(loop, out)
+
+
+__all__ = ["Delta", "LLMEngine", "SeqStatus", "ThreadSafeEmitter", "thread_safe_emitter"]

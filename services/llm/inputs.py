@@ -15,7 +15,7 @@ import torch
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import FailedPrecondition, InvalidArgument
+from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import from_proto
 from services.llm.mrope import mrope_positions
 
@@ -98,11 +98,7 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
 
 
 def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-    if item.WhichOneof("source") == "input":
-        flag = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}.get(item.modality, "an encoder flag")
-        raise FailedPrecondition(f"items[{index}]: raw input needs an encoder pool, and this LLM service was "
-                                 f"started without {flag}; send a precomputed embedding instead")
-    if item.WhichOneof("source") != "embedding":
+    if item.WhichOneof("source") != "embedding":  # raw input was encoded before splicing (encoders.py)
         raise InvalidArgument(f"items[{index}]: no embedding")
     message = item.embedding.embedding
     if message.dtype not in _FLOAT_WIRE:
@@ -120,14 +116,20 @@ def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int) -> tuple[t
     return tensor, tuple(item.embedding.grid_thw)
 
 
-def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
-                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
-    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions."""
+def check_modalities(items: list[pb.MultimodalItem], cfg: ModelConfig) -> None:
+    """Refuse items this checkpoint cannot take, before anything is sent to an encoder."""
     placeholders = placeholder_ids(cfg)
     for i, item in enumerate(items):
         if item.modality not in placeholders:
             name = pb.Modality.Name(item.modality) if item.modality in pb.Modality.values() else item.modality
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
+
+
+def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
+                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
+    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions."""
+    placeholders = placeholder_ids(cfg)
+    check_modalities(items, cfg)
     runs: list[tuple[int, int, int]] = []  # (modality, start, length) in prompt order
     token_to_modality = {tok: mod for mod, tok in placeholders.items()}
     j = 0

@@ -8,16 +8,21 @@ chunks that cover them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from modalmesh.attention import PagedMetadata
+from modalmesh.attention import Attention, PagedMetadata
 from modalmesh.kv.pool import KVPool
 from modalmesh.layers.rotary import RotaryEmbedding
+from services.llm.graphs import GRAPH_SAFE_BACKENDS, DecodeGraphs
 from services.llm.inputs import PreparedPrompt
 from services.llm.sampling import SamplerRow, sample
 from services.llm.scheduler import Chunk, Step
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,7 +33,8 @@ class Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, device: torch.device, max_model_len: int | None = None):
+    def __init__(self, model, pool: KVPool, device: torch.device, max_model_len: int | None = None, *,
+                 cuda_graphs: bool = False, max_num_seqs: int = 256):
         self.model = model
         self.pool = pool
         self.device = device
@@ -38,11 +44,23 @@ class ModelRunner:
                     module.ensure(max_model_len + 1)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.kv_caches = [pool.layer(i) for i in range(pool.layout.num_layers)]
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda" and max_model_len:
+            backends = {m.backend_name for m in model.modules() if isinstance(m, Attention)}
+            if backends <= GRAPH_SAFE_BACKENDS:
+                self.graphs = DecodeGraphs(model, pool, self.kv_caches, device, max_batch=max_num_seqs,
+                                           max_model_len=max_model_len, uses_mrope=self.uses_mrope)
+                self.graphs.capture()
+            else:
+                log.warning("decode runs eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
+                            sorted(backends))
 
     def _positions(self, chunk: Chunk, prompt: PreparedPrompt) -> torch.Tensor:
         start, end = chunk.start, chunk.start + chunk.length
         if not self.uses_mrope:
             return torch.arange(start, end)
+        if prompt.mrope is None:  # text only: the three axes coincide
+            return torch.arange(start, end).expand(3, -1)
         n_prompt = len(chunk.seq.prompt_ids)
         parts = []
         if start < n_prompt:
@@ -51,8 +69,26 @@ class ModelRunner:
             parts.append((torch.arange(max(start, n_prompt), end) + prompt.mrope_delta).expand(3, -1))
         return torch.cat(parts, dim=1)
 
+    def _is_decode(self, step: Step) -> bool:
+        return all(c.length == 1 and c.sample and c.start >= len(c.seq.prompt_ids) for c in step.chunks)
+
+    def _run_graph(self, step: Step) -> torch.Tensor:
+        alloc = self.pool.allocator
+        ids, slots, rows, lens, positions = [], [], [], [], []
+        for c in step.chunks:
+            seq = c.seq
+            ids += seq.token_ids(c.start, c.start + 1)
+            slots += alloc.slot_mapping(seq.seq_id, c.start, c.start + 1)
+            rows.append(alloc.pages(seq.seq_id))
+            lens.append(c.start + 1)
+            positions.append(self._positions(c, seq.payload.prompt))
+        return self.graphs.run(ids, torch.cat(positions, dim=-1), slots, rows, lens)
+
     @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
+        if self.graphs is not None and self._is_decode(step) and self.graphs.fits(len(step.chunks)):
+            hidden = self._run_graph(step)
+            return self._sample(step.chunks, hidden, torch.arange(len(step.chunks), device=self.device))
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
@@ -85,7 +121,10 @@ class ModelRunner:
             return []
         ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         which = torch.tensor([i for i, c in enumerate(step.chunks) if c.sample], device=self.device)
-        logits = self.model.compute_logits(hidden[ends[which]])
+        return self._sample(sampled_chunks, hidden, ends[which])
+
+    def _sample(self, sampled_chunks: list[Chunk], hidden: torch.Tensor, rows_index: torch.Tensor) -> list[Sampled]:
+        logits = self.model.compute_logits(hidden[rows_index])
         rows: list[SamplerRow] = [c.seq.payload.sampler for c in sampled_chunks]
         tokens, logprobs = sample(logits, rows)
         return [Sampled(c, t, lp) for c, t, lp in zip(sampled_chunks, tokens.tolist(), logprobs.tolist())]

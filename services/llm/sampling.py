@@ -128,14 +128,16 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of (B, V) logits. Returns (tokens (B,), chosen-token logprobs (B,)).
 
-    Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM reports.
+    Logprobs are of the model's raw distribution (before penalties and temperature), as vLLM reports;
+    they are computed only when some row asks for them (zeros otherwise).
     """
     logits = logits.float()
-    raw_logprobs = logits.log_softmax(dim=-1)
-    processed = logits.clone()
-    for i, row in enumerate(rows):
-        if row.seen is not None:
-            processed[i] = _apply_repetition_penalty(processed[i], row.seen, row.params.repetition_penalty)
+    processed = logits
+    if any(row.seen is not None for row in rows):
+        processed = logits.clone()
+        for i, row in enumerate(rows):
+            if row.seen is not None:
+                processed[i] = _apply_repetition_penalty(processed[i], row.seen, row.params.repetition_penalty)
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
@@ -153,5 +155,7 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, 
         for j, i in enumerate(sampled):
             noise[j].exponential_(generator=rows[i].generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if not any(row.params.logprobs for row in rows):
+        return tokens, torch.zeros_like(tokens, dtype=torch.float32)
+    chosen = logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, chosen

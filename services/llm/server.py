@@ -11,15 +11,15 @@ import argparse
 import asyncio
 import uuid
 
-import torch
-
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.service import Service
+from modalmesh.rpc.server import MiB
+from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
-from services.llm.inputs import splice_items, tokenize_prompt
+from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
 from services.llm.sampling import SamplingParams
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
@@ -31,7 +31,7 @@ class LLMServicer(pb.llm_pb2_grpc.LLMServiceServicer):
         self.service = service
 
     async def Generate(self, request, context):
-        async for response in self.service.generate(request):
+        async for response in self.service.generate(request, context.time_remaining()):
             yield response
 
     async def Info(self, request, context):
@@ -47,6 +47,7 @@ class LLMService(Service):
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
         self.engine: LLMEngine | None = None
+        self.fanout: EncoderFanout | None = None
         self.config: ModelConfig | None = None
         self.tokenizer = None
         self.max_model_len = 0
@@ -62,6 +63,15 @@ class LLMService(Service):
         parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one step")
         parser.add_argument("--max-prefill-chunk", type=int, default=None, help="longest prompt chunk of one step")
         parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this: RESOURCE_EXHAUSTED")
+        parser.add_argument("--enforce-eager", action="store_true",
+                            help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
+        parser.add_argument("--vision-encoder", default=None, metavar="TARGET",
+                            help="vision encoder pool, e.g. dns:///vision_encoder:50051 or ipv4:127.0.0.1:50061,...")
+        parser.add_argument("--audio-encoder", default=None, metavar="TARGET", help="audio encoder pool")
+        parser.add_argument("--encoder-timeout", type=float, default=60.0,
+                            help="seconds an Encode may take when the Generate call has no deadline")
+        parser.add_argument("--allow-foreign-encoders", action="store_true",
+                            help="accept embeddings from encoders of another checkpoint (width is still checked)")
 
     def register(self, server) -> None:
         server.add_service(self.grpc_service, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server, LLMServicer(self))
@@ -71,6 +81,12 @@ class LLMService(Service):
         if self.model_dir is None:
             return
         await asyncio.to_thread(self._load)
+        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB)
+                 for modality, target in ((pb.IMAGE, self.args.vision_encoder), (pb.AUDIO, self.args.audio_encoder))
+                 if target}
+        self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
+                                    check_fingerprint=not self.args.allow_foreign_encoders,
+                                    default_timeout=self.args.encoder_timeout, metrics=self.metrics)
         self.engine.start()
 
     def _load(self) -> None:
@@ -103,11 +119,14 @@ class LLMService(Service):
         self.engine = LLMEngine(model, pool, self.tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
                                 max_model_len=self.max_model_len, device=self.device, metrics=self.metrics,
                                 max_num_seqs=self.args.max_num_seqs, max_batch_tokens=self.args.max_batch_tokens,
-                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue)
+                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue,
+                                cuda_graphs=not self.args.enforce_eager)
 
     async def close(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+        if self.fanout is not None:
+            await self.fanout.close()
 
     def info(self) -> pb.ServiceInfo:
         info = super().info()
@@ -123,12 +142,14 @@ class LLMService(Service):
                                           page_size=pool.page_size, dtype=str(self.dtype).removeprefix("torch.")))
         return info
 
-    async def generate(self, request: pb.GenerateRequest):
+    async def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
         if self.engine is None:
             raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
         cfg = self.config
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size)
         ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
+        check_modalities(items, cfg)
+        items = await self.fanout.resolve(items, timeout)
         prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
                               spatial_merge=self.spatial_merge)
         for span in prompt.spans:
@@ -140,7 +161,10 @@ class LLMService(Service):
         finished = False
         try:
             while not finished:
-                delta = await out.get()
+                deltas = [await out.get()]
+                while not out.empty():  # behind the engine: send what has piled up as one message
+                    deltas.append(out.get_nowait())
+                delta = _merge(deltas)
                 if delta.error is not None:
                     finished = True
                     if isinstance(delta.error, ModalmeshError):
@@ -151,6 +175,21 @@ class LLMService(Service):
         finally:
             if not finished:  # cancelled: the client went away or the deadline passed
                 self.engine.abort(rid)
+
+
+def _merge(deltas: list[Delta]) -> Delta:
+    if len(deltas) == 1:
+        return deltas[0]
+    merged = Delta()
+    for d in deltas:
+        merged.token_ids += d.token_ids
+        merged.text += d.text
+        merged.logprobs += d.logprobs
+        if d.finish_reason is not None or d.error is not None:
+            merged.finish_reason, merged.error = d.finish_reason, d.error
+            merged.prompt_tokens, merged.completion_tokens = d.prompt_tokens, d.completion_tokens
+            break  # nothing follows the last delta of a request
+    return merged
 
 
 def _response(delta: Delta) -> pb.GenerateResponse:

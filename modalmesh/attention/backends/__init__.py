@@ -91,6 +91,12 @@ register(BackendSpec(
     cast_dtype=torch.bfloat16,
 ))
 register(BackendSpec(
+    "triton_paged", f"{_HERE}.triton_paged:TritonPaged",
+    targets=(Target("cuda", F32_AND_HALF, frozenset({CAUSAL, CAUSAL_OFFSET, WINDOW, PAGED, GQA, V_HEAD_DIM}),
+                    min_capability=(8, 0), max_head_dim=256),),
+    doc="our Triton paged-KV decode kernel (CUDA-graph safe); prefill goes to the fastest varlen kernel",
+))
+register(BackendSpec(
     "torch_naive", f"{_HERE}.naive:NaiveBackend",
     targets=_everywhere(FLOAT_DTYPES, ALL_FEATURES),
     doc="reference: plain matmul/softmax with FP32 accumulation (the test oracle)",

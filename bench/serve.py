@@ -1,0 +1,123 @@
+"""Load generator for the LLM service: N concurrent gRPC streams, fixed prompt / output lengths.
+
+    python bench/serve.py --target 127.0.0.1:50053 --concurrency 256 --requests 512
+    python bench/serve.py --start              # starts `python -m services.llm` itself
+                                               # (Qwen2.5-7B shape, random weights, bf16 on a GPU)
+
+Reports output tokens/s, time to first token and time per output token
+percentiles, measured at the client, the numbers a user compares with vLLM /
+SGLang. Prompts are random token ids (ignore_eos, so every request produces
+exactly --output-len tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from modalmesh import pb  # noqa: E402
+from modalmesh.rpc.channel import aio_channel  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+async def one(stub, prompt: list[int], output_len: int, results: list) -> None:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    async for reply in stub.Generate(request, timeout=3600):
+        if reply.token_ids:
+            stamps.append(time.perf_counter())
+            tokens += len(reply.token_ids)
+    results.append((start, stamps, tokens))
+
+
+async def run(target: str, concurrency: int, requests: int, prompt_len: int, output_len: int, vocab: int) -> dict:
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    results: list = []
+    async with aio_channel(target) as channel:
+        stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+        await one(stub, prompts[0][:8], 2, [])  # warm-up
+        queue = asyncio.Queue()
+        for p in prompts:
+            queue.put_nowait(p)
+
+        async def worker():
+            while not queue.empty():
+                await one(stub, queue.get_nowait(), output_len, results)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    ttft = [stamps[0] - s for s, stamps, _ in results if stamps]
+    tpot = [(stamps[-1] - stamps[0]) / (n - 1) for _, stamps, n in results if n > 1]
+    total = sum(n for _, _, n in results)
+    return dict(requests=len(results), output_tokens=total, wall_s=wall, output_tok_s=total / wall,
+                ttft_p50_ms=percentile(ttft, 50) * 1e3, ttft_p99_ms=percentile(ttft, 99) * 1e3,
+                tpot_p50_ms=percentile(tpot, 50) * 1e3, tpot_p99_ms=percentile(tpot, 99) * 1e3,
+                tpot_mean_ms=statistics.mean(tpot) * 1e3 if tpot else float("nan"))
+
+
+def start_service(max_num_seqs: int, quick: bool):
+    from bench.llm import QUICK, QWEN25_7B, make_checkpoint
+    from modalmesh.launcher import ServiceProcess
+
+    ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt), "--dummy-weights",
+             "--max-num-seqs", str(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096"]
+    if quick:
+        flags += ["--device", "cpu", "--kv-cache-tokens", "65536"]
+    proc = ServiceProcess("llm", flags, echo=False).start()
+    proc.wait_serving(timeout=900)
+    return proc, (QUICK if quick else QWEN25_7B)["vocab_size"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="127.0.0.1:50053")
+    parser.add_argument("--start", action="store_true", help="start a local LLM service (random weights)")
+    parser.add_argument("--quick", action="store_true", help="with --start: a tiny model on the CPU")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    proc = None
+    if args.start:
+        proc, args.vocab = start_service(args.concurrency, args.quick)
+        args.target = proc.target
+    try:
+        stats = asyncio.run(run(args.target, args.concurrency, args.requests, args.prompt_len, args.output_len,
+                                args.vocab))
+    finally:
+        if proc is not None:
+            proc.terminate(timeout=120)
+    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}, indent=1))
+    print(f"{args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
+          f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
+          f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front of the stack (`python -m services.gateway`)."""

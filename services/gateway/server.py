@@ -1,0 +1,493 @@
+"""The OpenAI-compatible HTTP front: aiohttp in front of the LLM and VAE gRPC services.
+
+    python -m services.gateway --llm 127.0.0.1:50053 --vae 127.0.0.1:50054 --port 8000
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(and ``/v1/models/{id}``), ``POST /v1/images/decode`` (our extension: latents ->
+PNG through the VAE), ``GET /health``. Metrics (the shared ``modalmesh_`` schema,
+``service="gateway"``) are on ``--metrics-port`` like every service's.
+
+Life cycle as the other services: flags also read from ``MODALMESH_*``, one
+``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
+until every backend reports SERVING through gRPC health, and on SIGTERM/SIGINT a
+drain (``/health`` 503, no new connections, in-flight requests finish within
+``--grace-period``) before exit 0.
+
+A client that goes away cancels its handler (aiohttp ``handler_cancellation``),
+which cancels the gRPC Generate call: the LLM aborts the request and frees its KV
+pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+
+import modalmesh
+from modalmesh import metrics as metrics_mod
+from modalmesh import pb
+from modalmesh.service import ENV_PREFIX, _EnvDefaults
+from services.gateway import latents as latents_mod
+from services.gateway import protocol
+from services.gateway.backends import Backend
+from services.gateway.errors import APIError, bad_request, from_grpc
+
+log = logging.getLogger("modalmesh.gateway")
+
+MiB = 1 << 20
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+PARSE_IN_THREAD_BYTES = 256 * 1024  # bodies this large are decoded off the event loop
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
+_ITEM = re.compile(r"items\[(\d+)\]")
+_TILING = {"auto": pb.TilingOptions.AUTO, "on": pb.TilingOptions.ON, "off": pb.TilingOptions.OFF}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _EnvDefaults(
+        prog="python -m services.gateway",
+        description="modalmesh gateway: the OpenAI-compatible HTTP API in front of the LLM and VAE services.",
+        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}LLM=dns:///llm:50051).",
+    )
+    parser.add_argument("--llm", default=None, metavar="TARGET", help="LLM service, e.g. dns:///llm:50051")
+    parser.add_argument("--vae", default=None, metavar="TARGET", help="VAE service (for /v1/images/decode)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients use (default: the LLM's model id from its Info)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="allow file:// image URLs for files under DIR (off by default)")
+    parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
+    parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest image (decoded bytes)")
+    parser.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio clip (decoded bytes)")
+    parser.add_argument("--max-message-mb", type=int, default=256, help="largest gRPC message sent/received")
+    parser.add_argument("--request-timeout", type=float, default=0.0,
+                        help="deadline of a Generate call in seconds (0: none)")
+    parser.add_argument("--decode-timeout", type=float, default=300.0, help="deadline of a VAE Decode call")
+    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def error_response(err: APIError, headers: dict | None = None) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _flag(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in _TRUE | _FALSE:
+        raise bad_request(f"{name} must be true or false", name)
+    return text in _TRUE
+
+
+class Gateway:
+    def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics):
+        self.args = args
+        self.metrics = metrics
+        self.started = int(time.time())
+        self.draining = False
+        root = Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None
+        self.limits = protocol.Limits(max_image_bytes=int(args.max_image_mb * MiB),
+                                      max_audio_bytes=int(args.max_audio_mb * MiB), local_media_root=root)
+        max_message = args.max_message_mb * MiB
+        self.llm = Backend("llm", args.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
+                           on_change=self._health_changed) if args.llm else None
+        self.vae = Backend("vae", args.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
+                           on_change=self._health_changed) if args.vae else None
+        self.app = web.Application(client_max_size=int(args.max_request_mb * MiB),
+                                   middlewares=[self._middleware])
+        r = self.app.router
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.list_models)
+        r.add_get("/v1/models/{model:.+}", self.get_model)
+        r.add_post("/v1/images/decode", self.images_decode)
+        r.add_get("/health", self.health)
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [b for b in (self.llm, self.vae) if b is not None]
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        for backend in self.backends:
+            backend.start()
+
+    async def close(self) -> None:
+        for backend in self.backends:
+            await backend.close()
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and all(b.ready for b in self.backends)
+
+    def _health_changed(self) -> None:
+        self.metrics.ready.set(1 if self.ready else 0)
+        if self.llm is not None and self.llm.info is not None:
+            info = self.llm.info
+            self.metrics.set_service_info(model_id=self.model_id or "", version=modalmesh.__version__,
+                                          dtype=info.dtype, device=info.device)
+
+    @property
+    def model_id(self) -> str | None:
+        if self.args.served_model_name:
+            return self.args.served_model_name
+        return self.llm.info.model_id if self.llm is not None and self.llm.info is not None else None
+
+    # -- middleware: errors in OpenAI's shape, auth, metrics ----------------------------------------
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "other"
+        m = self.metrics
+        m.requests_in_flight.labels(rpc=route).inc()
+        start = time.perf_counter()
+        request["start"] = start
+        status = 500
+        try:
+            if self.args.api_key and request.path.startswith("/v1/"):
+                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                    raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                   code="invalid_api_key")
+            response = await handler(request)
+            status = request.get("status_override", response.status)
+            return response
+        except APIError as err:
+            status = err.status
+            return error_response(err)
+        except web.HTTPException as exc:  # unknown route, wrong method, body over --max-request-mb
+            status = exc.status
+            message = {404: f"no route {request.method} {request.path}",
+                       413: f"request body over {self.args.max_request_mb:g} MB (--max-request-mb)"}.get(
+                           exc.status, exc.reason)
+            return error_response(APIError(exc.status, message), headers={
+                k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED  # the client went away (or the drain ran out of time)
+            raise
+        except Exception:  # noqa: BLE001 - logged here, never sent to the client
+            log.exception("unexpected error in %s %s", request.method, request.path)
+            return error_response(APIError(500, f"internal error in {route} (details in the gateway log)"))
+        finally:
+            elapsed = time.perf_counter() - start
+            m.requests_in_flight.labels(rpc=route).dec()
+            m.requests_total.labels(rpc=route, code=str(status)).inc()
+            m.request_duration_seconds.labels(rpc=route, code=str(status)).observe(elapsed)
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _require(self, backend: Backend | None, flag: str) -> Backend:
+        if backend is None:
+            raise APIError(501, f"this gateway has no {flag[2:].upper()} service: start it with {flag} TARGET",
+                           code="not_configured")
+        if self.draining:
+            raise APIError(503, "the gateway is shutting down", code="draining")
+        if not backend.ready:
+            raise APIError(503, f"the {backend.name} service is not ready ({backend.status}"
+                                f"{': ' + backend.detail if backend.detail else ''})", code="not_ready")
+        return backend
+
+    def _check_model(self, model: str | None) -> str:
+        served = self.model_id or ""
+        if model is not None and model != served:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.",
+                           param="model", code="model_not_found")
+        return served
+
+    async def _json(self, request: web.Request) -> dict:
+        raw = await request.read()
+        if not raw:
+            raise bad_request("the request body is empty: send a JSON object", code="invalid_json")
+        try:
+            if len(raw) > PARSE_IN_THREAD_BYTES:
+                body = await asyncio.to_thread(json.loads, raw)
+            else:
+                body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object", code="invalid_json")
+        return body
+
+    # -- /v1/chat/completions, /v1/completions ------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await self._json(request)
+        llm = self._require(self.llm, "--llm")
+        model = self._check_model(protocol.requested_model(body))
+        rid = protocol.new_id(kind)
+        if kind == "chat":
+            parse = lambda: protocol.chat_request(body, self.limits, rid)  # noqa: E731
+        else:
+            parse = lambda: protocol.completion_request(body, rid)  # noqa: E731
+        parsed = await asyncio.to_thread(parse) if (request.content_length or 0) > PARSE_IN_THREAD_BYTES else parse()
+        fingerprint = llm.info.weights_fingerprint or None
+        timeout = self.args.request_timeout or None
+        call = llm.stub.Generate(parsed.grpc, timeout=timeout)
+        try:
+            first = await self._read(call, parsed.item_params)
+            if first is grpc.aio.EOF:
+                raise APIError(500, "the LLM ended the stream without a result")
+            acc = protocol.Accumulator(kind, parsed.logprobs)
+            if not parsed.stream:
+                message = first
+                while message is not grpc.aio.EOF:
+                    self._observe(request, message)
+                    acc.add(message)
+                    if message.finish_reason == pb.ABORT:
+                        raise APIError(503, "the LLM aborted the request", code="aborted")
+                    message = await self._read(call, parsed.item_params)
+                if acc.finish_reason is None:
+                    raise APIError(500, "the LLM ended the stream without a finish reason")
+                return web.json_response(protocol.completion_body(kind, rid, model, acc, fingerprint),
+                                         headers={"X-Request-Id": rid},
+                                         dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            return await self._stream(request, call, first, acc, parsed, rid, model, fingerprint)
+        finally:
+            call.cancel()  # no-op once the call finished; a client gone mid-request aborts it (KV freed)
+
+    @staticmethod
+    async def _read(call, item_params: list[str]):
+        try:
+            return await call.read()
+        except grpc.RpcError as exc:
+            err = from_grpc(exc, "llm")
+            # The LLM names a bad image / clip "items[i]": point the client at its place in the request.
+            match = _ITEM.match(err.message)
+            if match and int(match[1]) < len(item_params):
+                err.param = item_params[int(match[1])]
+                err.message = err.message.replace(match[0], err.param, 1)
+            raise err from None
+
+    def _observe(self, request: web.Request, message: pb.GenerateResponse) -> None:
+        """Client-visible latency and token counts, in the shared schema."""
+        n = len(message.token_ids)
+        now = time.perf_counter()
+        if n:
+            last = request.get("last_token")
+            if last is None:
+                self.metrics.time_to_first_token_seconds.observe(now - request["start"])
+            else:
+                gap = (now - last) / n
+                for _ in range(n):
+                    self.metrics.time_per_output_token_seconds.observe(gap)
+            request["last_token"] = now
+        if message.finish_reason:
+            self.metrics.prompt_tokens_total.inc(message.usage.prompt_tokens)
+            self.metrics.generation_tokens_total.inc(message.usage.completion_tokens)
+
+    async def _stream(self, request, call, first, acc, parsed, rid, model, fingerprint) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": rid})
+        chunks = protocol.ChunkMaker(parsed.kind, rid, model, parsed.include_usage, fingerprint)
+        try:
+            await response.prepare(request)
+            if parsed.kind == "chat":
+                await response.write(_sse(chunks.role()))
+            message = first
+            try:
+                while message is not grpc.aio.EOF:
+                    self._observe(request, message)
+                    text, logprobs = acc.add(message)
+                    if message.finish_reason == pb.ABORT:
+                        raise APIError(503, "the LLM aborted the request", code="aborted")
+                    if text or logprobs:
+                        await response.write(_sse(chunks.content(text, logprobs)))
+                    if message.finish_reason:
+                        await response.write(_sse(chunks.finish(acc.finish_reason)))
+                        if parsed.include_usage:
+                            await response.write(_sse(chunks.usage(acc.usage)))
+                    message = await self._read(call, parsed.item_params)
+            except APIError as err:  # mid-stream: the status is sent; OpenAI clients raise on an error event
+                request["status_override"] = err.status
+                await response.write(_sse(err.body()))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # aiohttp raises its ClientConnectionResetError, a subclass
+            request["status_override"] = CLIENT_CLOSED
+            call.cancel()
+        return response
+
+    # -- /v1/models ---------------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        info = self.llm.info
+        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "modalmesh",
+                "root": info.model_id, "parent": None, "max_model_len": info.max_model_len}
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self._require(self.llm, "--llm")
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self._require(self.llm, "--llm")
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    # -- /v1/images/decode --------------------------------------------------------------------------
+    async def images_decode(self, request: web.Request) -> web.Response:
+        vae = self._require(self.vae, "--vae")
+        options: dict = dict(request.query)
+        if request.content_type.startswith("multipart/"):
+            tensor = await self._latents_multipart(request, options)
+        elif request.content_type == "application/json":
+            body = await self._json(request)
+            latents = body.pop("latents", None)
+            options.update(body)
+            if not isinstance(latents, str) or not latents:
+                raise bad_request("latents must be base64: of a .npy / .safetensors file, or raw bytes with "
+                                  "dtype and shape", "latents")
+            try:
+                data = base64.b64decode(latents, validate=True)
+            except ValueError:
+                raise bad_request("latents is not valid base64", "latents") from None
+            if "shape" in options:
+                tensor = latents_mod.from_raw(data, options.pop("dtype", "float32"), options.pop("shape"))
+            else:
+                tensor = latents_mod.from_file(data)
+        else:  # the file itself as the body (application/octet-stream)
+            data = await request.read()
+            if not data:
+                raise bad_request("no latents: send a .npy / .safetensors file as the body, as multipart field "
+                                  "'file', or base64 in JSON", "latents")
+            tensor = latents_mod.from_file(data)
+        decode = pb.DecodeRequest(latents=tensor, output=pb.PNG)
+        fmt = str(options.get("response_format", "b64_json"))
+        if fmt not in ("b64_json", "png"):
+            raise bad_request("response_format must be b64_json or png", "response_format")
+        if fmt == "png" and tensor.shape[0] != 1:
+            raise bad_request(f"response_format png returns one image; these latents hold {tensor.shape[0]} "
+                              "(use b64_json)", "response_format")
+        if "skip_scaling" in options:
+            decode.skip_scaling = _flag(options["skip_scaling"], "skip_scaling")
+        tiling = str(options.get("tiling", "auto")).lower()
+        if tiling not in _TILING:
+            raise bad_request("tiling must be auto, on or off", "tiling")
+        decode.tiling.mode = _TILING[tiling]
+        for key in ("tile_latent_size", "overlap_latent"):
+            if key in options:
+                try:
+                    value = int(options[key])
+                except (TypeError, ValueError):
+                    raise bad_request(f"{key} must be an integer", key) from None
+                if value < 0:
+                    raise bad_request(f"{key} must be >= 0", key)
+                setattr(decode.tiling, key, value)
+        try:
+            reply = await vae.stub.Decode(decode, timeout=self.args.decode_timeout)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc, "vae") from None
+        if fmt == "png":
+            return web.Response(body=reply.png[0], content_type="image/png")
+        return web.json_response({"created": int(time.time()), "tiles": reply.tiles,
+                                  "data": [{"b64_json": base64.b64encode(png).decode()} for png in reply.png]})
+
+    async def _latents_multipart(self, request: web.Request, options: dict) -> pb.Tensor:
+        limit = int(self.args.max_request_mb * MiB)
+        reader = await request.multipart()
+        data = None
+        while (part := await reader.next()) is not None:
+            if part.name in ("file", "latents"):
+                buf = bytearray()
+                while chunk := await part.read_chunk(1 << 16):
+                    buf += chunk
+                    if len(buf) > limit:
+                        raise APIError(413, f"latents file over {self.args.max_request_mb:g} MB (--max-request-mb)")
+                data = bytes(buf)
+            elif part.filename is not None:
+                raise bad_request(f"unexpected file field {part.name!r}; send the latents as field 'file'", part.name)
+            else:
+                options[part.name] = await part.text()
+        if not data:
+            raise bad_request("multipart upload without a 'file' field holding .npy or .safetensors latents", "file")
+        return latents_mod.from_file(data, "file")
+
+    # -- /health ------------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        services = {b.name: {"target": b.target, "status": b.status, **({"detail": b.detail} if b.detail else {})}
+                    for b in self.backends}
+        if self.draining:
+            state = "draining"
+        else:
+            state = "ok" if self.ready else "unavailable"
+        body = {"status": state, "model": self.model_id, "services": services}
+        return web.json_response(body, status=200 if state == "ok" else 503)
+
+
+async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = Gateway(args, metrics)
+    runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:
+        log.error("cannot bind HTTP to %s:%d: %s", args.host, args.port, exc)
+        await runner.cleanup()
+        await gateway.close()
+        return 1
+    port = runner.addresses[0][1]
+    metrics_port = metrics.start_exporter(args.host, args.metrics_port) if args.metrics_port >= 0 else -1
+    metrics.ready.set(0)
+    gateway.start()
+    # One machine-readable line, as the other services log theirs (launch.GatewayProcess reads it).
+    log.info("listening http=%s:%d metrics=%s:%d", args.host, port, args.host, metrics_port)
+    try:
+        await stop.wait()
+        log.info("draining (grace %.1fs)", args.grace_period)
+        gateway.draining = True
+        metrics.ready.set(0)
+        await runner.cleanup()  # stops listening, lets in-flight requests finish within the grace period
+    finally:
+        await gateway.close()
+        metrics.stop_exporter()
+    log.info("stopped")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
+    if not args.llm and not args.vae:
+        print("error: give --llm TARGET (and/or --vae TARGET)", file=sys.stderr)
+        return 2
+    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
+        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: not a directory", file=sys.stderr)
+        return 2
+    for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
+        if getattr(args, flag) <= 0:
+            print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    metrics = metrics_mod.install(metrics_mod.Metrics("gateway"))
+    code = asyncio.run(serve(args, metrics))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a late second signal must not turn exit 0 into -15
+        signal.signal(sig, signal.SIG_IGN)
+    return code

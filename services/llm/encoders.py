@@ -1,0 +1,122 @@
+"""The LLM's fan-out to the encoder pools: raw image / audio items -> embeddings.
+
+Each item of a request is sent as its own Encode call, all concurrently, so a
+round_robin channel spreads one request's images over the replicas. The
+caller's deadline bounds the calls and cancelling the Generate call cancels
+them. UNAVAILABLE (a replica that died or is draining) is retried on another
+replica while the deadline allows. Every answer is checked before it is
+spliced: it must come from the same checkpoint (weights fingerprint) and have
+the right modality; the splicer then checks width, dtype and row count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from modalmesh import pb
+from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ModalmeshError, Unavailable
+from modalmesh.metrics import Metrics
+from modalmesh.rpc.channel import MiB, aio_channel
+
+log = logging.getLogger(__name__)
+
+FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}
+_MAX_ATTEMPTS = 4
+
+
+class EncoderPool:
+    """One modality's encoder replicas behind one gRPC target."""
+
+    def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB):
+        self.modality = modality
+        self.target = target
+        self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
+        self.stub = pb.encoder_pb2_grpc.EncoderServiceStub(self.channel)
+
+    async def encode_one(self, item: pb.EncodeItem, index: int, timeout: float) -> pb.EncodeResponse:
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, _MAX_ATTEMPTS + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                return await self.stub.Encode(pb.EncodeRequest(items=[item]), timeout=remaining,
+                                              wait_for_ready=True)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
+                    log.warning("encoder %s unavailable for items[%d] (attempt %d): %s", self.target, index,
+                                attempt, exc.details())
+                    continue
+                detail = (exc.details() or code.name).replace("items[0]", f"items[{index}]")
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidArgument(detail) from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"items[{index}]: the encoder did not answer in time") from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise Unavailable(f"items[{index}]: the encoder pool is overloaded: {detail}") from None
+                raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
+        raise DeadlineExceeded(f"items[{index}]: no encoder replica answered before the deadline")
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class EncoderFanout:
+    def __init__(self, pools: dict[int, EncoderPool], *, fingerprint: str, check_fingerprint: bool,
+                 default_timeout: float, metrics: Metrics):
+        self.pools = pools
+        self.fingerprint = fingerprint
+        self.check_fingerprint = check_fingerprint
+        self.default_timeout = default_timeout
+        self.metrics = metrics
+
+    async def resolve(self, items: list[pb.MultimodalItem], timeout: float | None) -> list[pb.MultimodalItem]:
+        """Items with raw input replaced by their encoders' embeddings (the rest unchanged)."""
+        todo = [(i, item) for i, item in enumerate(items) if item.WhichOneof("source") == "input"]
+        if not todo:
+            return items
+        for i, item in todo:
+            if item.modality not in self.pools:
+                flag = FLAGS.get(item.modality, "an encoder flag")
+                raise FailedPrecondition(f"items[{i}]: raw input needs an encoder pool, and this LLM service was "
+                                         f"started without {flag}; send a precomputed embedding instead")
+        budget = timeout if timeout is not None else self.default_timeout
+        started = time.perf_counter()
+        tasks = [asyncio.ensure_future(self.pools[item.modality].encode_one(item.input, i, budget))
+                 for i, item in todo]
+        try:
+            replies = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()  # one item failed or the caller went away: stop the rest
+            raise
+        self.metrics.transfer_seconds.labels(direction="received").observe(time.perf_counter() - started)
+        out = list(items)
+        for (i, item), reply in zip(todo, replies):
+            self._check(reply, item.modality, i)
+            embedding = reply.embeddings[0]
+            self.metrics.transfer_bytes_total.labels(direction="received").inc(len(embedding.embedding.data))
+            out[i] = pb.MultimodalItem(modality=item.modality, embedding=embedding)
+        return out
+
+    def _check(self, reply: pb.EncodeResponse, modality: int, index: int) -> None:
+        name = pb.Modality.Name(modality).lower()
+        if len(reply.embeddings) != 1:
+            raise ModalmeshError(f"items[{index}]: the {name} encoder returned {len(reply.embeddings)} embeddings "
+                                 "for one item")
+        if reply.modality not in (modality, pb.MODALITY_UNSPECIFIED):
+            raise FailedPrecondition(f"items[{index}]: {FLAGS[modality]} points at a "
+                                     f"{pb.Modality.Name(reply.modality).lower()} encoder")
+        if self.check_fingerprint and reply.weights_fingerprint != self.fingerprint:
+            raise FailedPrecondition(
+                f"items[{index}]: the {name} encoder serves checkpoint {reply.model_id!r} "
+                f"({reply.weights_fingerprint or 'no fingerprint'}), not this LLM's ({self.fingerprint}); point "
+                f"{FLAGS[modality]} at encoders of the same checkpoint, or pass --allow-foreign-encoders")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()))

@@ -1,0 +1,284 @@
+"""The stack end to end on local processes: encoders -> LLM over gRPC, checked against the reference.
+
+Greedy tokens of Generate(image/audio bytes + text), with the LLM fanning items out to
+encoder processes, equal Hugging Face `generate` on the processor's inputs. Also: concurrent
+multimodal and text-only requests, a replica killed mid-burst, SIGTERM during streaming,
+and an encoder of another checkpoint refused.
+"""
+
+import concurrent.futures as cf
+import io
+import math
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from modalmesh import pb, tiny
+from modalmesh.launcher import ServiceProcess
+
+COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu", "--grace-period", "30"]
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+
+
+def png(h, w, seed):
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def wav(seconds, seed, rate=16000):
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.default_rng(seed)
+    signal = 0.4 * np.sin(2 * math.pi * (220 + 90 * seed) * t) + 0.05 * rng.standard_normal(t.shape)
+    buf = io.BytesIO()
+    sf.write(buf, signal.astype(np.float32), rate, format="WAV", subtype="FLOAT")
+    return buf.getvalue(), signal.astype(np.float32)
+
+
+def start(service, model, *flags):
+    return ServiceProcess(service, [*COMMON, "--model", str(model), *flags]).start()
+
+
+def generate(target, timeout=120, **kw):
+    ids, text = [], ""
+    with grpc.insecure_channel(target) as channel:
+        for r in pb.llm_pb2_grpc.LLMServiceStub(channel).Generate(pb.GenerateRequest(**kw), timeout=timeout):
+            ids += r.token_ids
+            text += r.text
+    return ids
+
+
+def greedy(n):
+    return pb.SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def image_items(images):
+    return [pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data)) for data in images]
+
+
+def counter(proc, rpc="Encode"):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+               if s.name == "modalmesh_requests_total" and s.labels.get("rpc") == rpc and s.labels.get("code") == "OK")
+
+
+def stop_all(*procs):
+    for p in procs:
+        p.send_sigterm()
+    return [p.terminate(timeout=60) for p in procs]
+
+
+# ---- Qwen2-VL: vision_encoder + llm --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def vl(ckpts):
+    model = tiny.ensure("qwen2_vl", ckpts)
+    vision = start("vision_encoder", model)
+    vision.wait_listening()
+    llm = start("llm", model, "--kv-cache-tokens", "4096", "--vision-encoder", f"ipv4:127.0.0.1:{vision.grpc_port}")
+    for p in (vision, llm):
+        p.wait_serving(timeout=180)
+    yield model, vision, llm
+    stop_all(llm, vision)
+
+
+class VLReference:
+    def __init__(self, model_dir):
+        from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+
+    def generate(self, text, images, n):
+        kwargs = {}
+        if images:
+            pil = [Image.open(io.BytesIO(data)) for data in images]
+            inputs = self.processor(images=pil, return_tensors="pt")
+            counts = [int(g.prod()) // 4 for g in inputs["image_grid_thw"]]
+            for c in counts:  # what the Qwen2-VL processor does to the prompt
+                text = text.replace("<|image_pad|>", "<|placeholder|>" * c, 1)
+            text = text.replace("<|placeholder|>", "<|image_pad|>")
+            kwargs = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        ids = self.tok(text, return_tensors="pt")["input_ids"]
+        kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def vl_ref(vl):
+    return VLReference(vl[0])
+
+
+@pytest.mark.parametrize("sizes", [[(56, 84)], [(112, 56), (56, 56), (84, 140)]], ids=["one", "three-sizes"])
+def test_image_bytes_through_the_encoder_pool_equal_hf_generate(vl, vl_ref, sizes):
+    _, vision, llm = vl
+    images = [png(h, w, seed=i + len(sizes)) for i, (h, w) in enumerate(sizes)]
+    text = "Compare: " + " and ".join(VISION for _ in images) + " — what do you see?"
+    got = generate(llm.target, text=text, items=image_items(images), sampling=greedy(12))
+    want = vl_ref.generate(text, images, 12)
+    assert got == want
+    assert len(set(got)) > 3
+
+
+def test_concurrent_multimodal_and_text_requests_are_all_correct(vl, vl_ref):
+    _, vision, llm = vl
+    cases = []
+    for i in range(6):
+        if i % 2:
+            cases.append((f"Just text number {i}, please continue", []))
+        else:
+            images = [png(56 + 28 * (i % 3), 84, seed=100 + i), png(56, 56, seed=200 + i)]
+            cases.append((f"{VISION} then {VISION} case {i}", images))
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(generate, llm.target, text=t, items=image_items(imgs), sampling=greedy(10))
+                   for t, imgs in cases]
+        got = [f.result() for f in futures]
+    for (text, images), ids in zip(cases, got):
+        assert ids == vl_ref.generate(text, images, 10), text
+
+
+def test_chat_request_with_image_parts(vl, vl_ref):
+    _, _, llm = vl
+    image = png(84, 56, seed=7)
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=[
+        pb.ContentPart(item=pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=image))),
+        pb.ContentPart(text="Describe it.")])])
+    got = generate(llm.target, chat=chat, sampling=greedy(8))
+    text = vl_ref.tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+                                          tokenize=False, add_generation_prompt=True)
+    assert got == vl_ref.generate(text, [image], 8)
+
+
+def test_bad_image_fails_cleanly_and_names_the_item(vl):
+    _, _, llm = vl
+    with pytest.raises(grpc.RpcError) as err:
+        generate(llm.target, text=f"{VISION}{VISION}", items=image_items([png(56, 56, 1), b"not an image"]),
+                 sampling=greedy(2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[1]" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        generate(llm.target, text=AUDIO, items=[pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=b"x"))],
+                 sampling=greedy(2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes no AUDIO input" in err.value.details()
+    assert len(generate(llm.target, text="still serving", sampling=greedy(2))) == 2
+
+
+def test_sigterm_on_the_llm_lets_streams_finish_and_refuses_new_calls(vl):
+    # Last test of the VL module fixture: it stops the LLM.
+    _, _, llm = vl
+    channel = grpc.insecure_channel(llm.target)
+    stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+    stream = stub.Generate(pb.GenerateRequest(text="A long story:", sampling=greedy(150)), timeout=120)
+    first = next(stream)
+    llm.send_sigterm()
+    rest = list(stream)  # in-flight streams finish during the drain
+    assert sum(len(r.token_ids) for r in [first, *rest]) == 150 and rest[-1].finish_reason == pb.LENGTH
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(text="new", sampling=greedy(2)), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.close()
+    assert llm.proc.wait(timeout=60) == 0
+
+
+# ---- Qwen2-Audio: audio_encoder + llm ------------------------------------------------------------
+def test_audio_bytes_through_the_encoder_pool_equal_hf_generate(ckpts):
+    from transformers import AutoTokenizer, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+
+    model_dir = tiny.ensure("qwen2_audio", ckpts)
+    audio = start("audio_encoder", model_dir)
+    audio.wait_listening()
+    llm = start("llm", model_dir, "--kv-cache-tokens", "4096", "--audio-encoder", f"ipv4:127.0.0.1:{audio.grpc_port}")
+    try:
+        for p in (audio, llm):
+            p.wait_serving(timeout=180)
+        ref = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir).eval()
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        fe = WhisperFeatureExtractor.from_pretrained(model_dir)
+        for seconds, seed in [(2.5, 0), (0.7, 1)]:
+            data, signal = wav(seconds, seed)
+            text = f"Listen: {AUDIO} and tell me, in words, what is this sound? Answer:"
+            got = generate(llm.target, text=text,
+                           items=[pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=data))],
+                           sampling=greedy(12))
+            feats = fe(signal, sampling_rate=16000, return_attention_mask=True, padding="max_length",
+                       return_tensors="pt")
+            length = int(feats["attention_mask"].sum())
+            n = (((length - 1) // 2 + 1) - 2) // 2 + 1  # the Qwen2-Audio processor's count
+            ids = tok(text.replace("<|AUDIO|>", "<|AUDIO|>" * n), return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                want = ref.generate(input_ids=ids, input_features=feats["input_features"],
+                                    feature_attention_mask=feats["attention_mask"], max_new_tokens=12,
+                                    do_sample=False)[0, ids.shape[1]:].tolist()
+            assert got == want, seconds
+            assert len(set(got)) > 3
+    finally:
+        assert stop_all(llm, audio) == [0, 0]
+
+
+# ---- resilience ---------------------------------------------------------------------------------
+def test_a_replica_killed_mid_burst_costs_no_request(ckpts):
+    model = tiny.ensure("qwen2_vl", ckpts)
+    a, b = start("vision_encoder", model), start("vision_encoder", model)
+    a.wait_listening()
+    b.wait_listening()
+    llm = start("llm", model, "--kv-cache-tokens", "8192",
+                "--vision-encoder", f"ipv4:127.0.0.1:{a.grpc_port},127.0.0.1:{b.grpc_port}")
+    try:
+        for p in (a, b, llm):
+            p.wait_serving(timeout=180)
+        for i in range(6):  # round_robin: both replicas take traffic
+            assert len(generate(llm.target, text=VISION, items=image_items([png(56, 56, 300 + i)]),
+                                sampling=greedy(1))) == 1
+        assert counter(a) > 0 and counter(b) > 0
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(generate, llm.target, text=VISION, items=image_items([png(56, 84, 400 + i)]),
+                                   sampling=greedy(2)) for i in range(16)]
+            a.kill()  # SIGKILL during the burst
+            results = [f.result() for f in futures]
+        assert all(len(r) == 2 for r in results)
+        assert counter(b) > 0
+    finally:
+        a.kill()
+        stop_all(llm, b)
+
+
+def test_an_encoder_of_another_checkpoint_is_refused(ckpts):
+    vl_model, other = tiny.ensure("qwen2_vl", ckpts), tiny.ensure("qwen2_5_vl", ckpts)
+    vision = start("vision_encoder", other)  # same width (64), different weights
+    vision.wait_listening()
+    llm = start("llm", vl_model, "--kv-cache-tokens", "2048", "--vision-encoder", f"ipv4:127.0.0.1:{vision.grpc_port}")
+    try:
+        for p in (vision, llm):
+            p.wait_serving(timeout=180)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(llm.target, text=VISION, items=image_items([png(56, 56, 1)]), sampling=greedy(2))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not this LLM's" in err.value.details() and "--allow-foreign-encoders" in err.value.details()
+    finally:
+        assert stop_all(llm, vision) == [0, 0]
+
+
+def test_raw_items_without_an_encoder_flag_say_which_flag_is_missing(ckpts):
+    llm = start("llm", tiny.ensure("qwen2_vl", ckpts), "--kv-cache-tokens", "2048")
+    try:
+        llm.wait_serving(timeout=180)
+        with pytest.raises(grpc.RpcError) as err:
+            generate(llm.target, text=VISION, items=image_items([png(56, 56, 1)]), sampling=greedy(2))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--vision-encoder" in err.value.details()
+    finally:
+        assert stop_all(llm) == [0]

@@ -1,0 +1,258 @@
+"""The gateway's translation layer without processes: OpenAI bodies -> GenerateRequest, deltas -> OpenAI
+shapes (validated with the openai package's own types), data URLs, latents files, gRPC -> HTTP codes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from safetensors.torch import save as save_safetensors
+
+from modalmesh import pb
+from services.gateway import latents, protocol
+from services.gateway.errors import APIError, from_grpc
+from services.gateway.media import audio_bytes, image_bytes
+
+LIMITS = protocol.Limits(max_image_bytes=1000, max_audio_bytes=1000)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def chat(content, **extra):
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def refused(fn, *args, status=400, expect_param=None, **kw) -> APIError:
+    with pytest.raises(APIError) as err:
+        fn(*args, **kw)
+    assert err.value.status == status
+    if expect_param is not None:
+        assert err.value.param == expect_param, err.value.message
+    return err.value
+
+
+# ---- requests -------------------------------------------------------------------------------------
+def test_chat_messages_become_grpc_chat_parts_in_order():
+    body = chat([{"type": "text", "text": "a"},
+                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(b"IMG")}},
+                 {"type": "input_audio", "input_audio": {"data": b64(b"WAV"), "format": "wav"}}])
+    body["messages"].insert(0, {"role": "developer", "content": "sys"})
+    parsed = protocol.chat_request(body, LIMITS, "rid")
+    msgs = parsed.grpc.chat.messages
+    assert [m.role for m in msgs] == ["system", "user"] and msgs[0].content[0].text == "sys"
+    parts = msgs[1].content
+    assert parts[0].text == "a"
+    assert parts[1].item.modality == pb.IMAGE and parts[1].item.input.data == b"IMG"
+    assert parts[2].item.modality == pb.AUDIO and parts[2].item.input.data == b"WAV"
+    assert parsed.item_params == ["messages[1].content[1]", "messages[1].content[2]"]
+    assert parsed.grpc.request_id == "rid" and not parsed.stream
+
+
+def test_sampling_fields_as_openai_names_them():
+    s = protocol.sampling_params({"temperature": 0, "top_p": 0.5, "max_tokens": 3, "max_completion_tokens": 7,
+                                  "stop": "x", "seed": -1, "top_k": 4, "ignore_eos": True}, chat=True)
+    assert s.HasField("temperature") and s.temperature == 0 and s.top_p == 0.5 and s.max_tokens == 7
+    assert list(s.stop) == ["x"] and s.seed == 2**64 - 1 and s.top_k == 4 and s.ignore_eos and s.logprobs == 0
+    s = protocol.sampling_params({}, chat=True)
+    assert not s.HasField("temperature") and not s.HasField("seed") and s.max_tokens == 0
+    assert protocol.sampling_params({"logprobs": True, "top_logprobs": 0}, chat=True).logprobs == 1
+    assert protocol.sampling_params({"logprobs": 0}, chat=False).logprobs == 1
+    assert protocol.sampling_params({"logprobs": None}, chat=False).logprobs == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"n": 3}, "n"), ({"temperature": True}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": ["", "a"]}, "stop"),
+    ({"stop": 5}, "stop"), ({"seed": 1.5}, "seed"), ({"seed": 2**64}, "seed"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+])
+def test_bad_sampling_fields_name_the_field(body, param):
+    refused(protocol.sampling_params, body, chat=True, expect_param=param)
+
+
+def test_completion_prompts():
+    assert protocol.completion_request({"prompt": "hi"}, "r").grpc.text == "hi"
+    assert protocol.completion_request({"prompt": ["hi"]}, "r").grpc.text == "hi"
+    assert list(protocol.completion_request({"prompt": [1, 2]}, "r").grpc.token_ids.ids) == [1, 2]
+    assert list(protocol.completion_request({"prompt": [[3, 4]]}, "r").grpc.token_ids.ids) == [3, 4]
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {}, {"prompt": "a", "echo": True},
+                {"prompt": "a", "logprobs": 2}, {"prompt": "a", "best_of": 2}):
+        refused(protocol.completion_request, bad, "r")
+    parsed = protocol.completion_request({"prompt": "a", "stream": True, "stream_options": {"include_usage": True}},
+                                         "r")
+    assert parsed.stream and parsed.include_usage
+
+
+@pytest.mark.parametrize("content,param", [
+    ([{"type": "image"}], "messages[0].content[0].type"),
+    ([{"text": "no type"}], "messages[0].content[0]"),
+    ([{"type": "text", "text": 3}], "messages[0].content[0].text"),
+    (5, "messages[0].content"),
+    ([{"type": "image_url", "image_url": {}}], "messages[0].content[0].image_url.url"),
+    ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+     "messages[0].content[0].input_audio.data"),
+    ([{"type": "audio_url", "audio_url": {"url": "https://x/a.wav"}}], "messages[0].content[0].audio_url"),
+])
+def test_bad_content_parts(content, param):
+    refused(protocol.chat_request, chat(content), LIMITS, "r", expect_param=param)
+
+
+def test_data_urls():
+    part = lambda url: {"image_url": {"url": url}}  # noqa: E731
+    url = "data:image/png;base64," + b64(b"x" * 10)
+    assert image_bytes(part(url), param="p", max_bytes=10, local_root=None) == b"x" * 10
+    assert image_bytes({"image_url": "data:;base64," + b64(b"y")}, param="p", max_bytes=10, local_root=None) == b"y"
+    assert refused(image_bytes, part("data:image/png;base64," + b64(b"x" * 11)), param="p", max_bytes=10,
+                   local_root=None).code == "image_too_large"
+    for url, code in [("data:image/png," + b64(b"x"), "invalid_image_url"),
+                      ("data:image/png;base64,a b", "invalid_image"),
+                      ("data:audio/wav;base64,AAAA", "invalid_image_url"), ("ftp://x", "invalid_image_url"),
+                      ("file:///etc/hostname", "file_urls_disabled"), ("http://x/y.png", "unsupported_image_url")]:
+        assert refused(image_bytes, part(url), param="p", max_bytes=100, local_root=None).code == code, url
+    ok = {"input_audio": {"data": b64(b"RIFF"), "format": "WAV"}}
+    assert audio_bytes(ok, param="p", max_bytes=10) == b"RIFF"
+    as_url = {"input_audio": {"data": "data:audio/wav;base64," + b64(b"RIFF")}}
+    assert audio_bytes(as_url, param="p", max_bytes=10) == b"RIFF"
+    assert refused(audio_bytes, {"input_audio": {"data": b64(b"RIFF"), "format": "aac"}}, param="p",
+                   max_bytes=10).param == "p.input_audio.format"
+
+
+def test_file_urls_stay_under_the_root(tmp_path):
+    (tmp_path / "a.png").write_bytes(b"PNGDATA")
+    outside = tmp_path.parent / "outside.png"
+    outside.write_bytes(b"x")
+    (tmp_path / "link.png").symlink_to(outside)
+    part = lambda p: {"image_url": {"url": p.as_uri()}}  # noqa: E731
+    assert image_bytes(part(tmp_path / "a.png"), param="p", max_bytes=100, local_root=tmp_path.resolve()) == b"PNGDATA"
+    for p in (outside, tmp_path / "link.png", tmp_path / "missing.png", tmp_path):
+        refused(image_bytes, part(p), param="p", max_bytes=100, local_root=tmp_path.resolve())
+
+
+# ---- responses: the openai package's own types parse them ----------------------------------------------
+def deltas():
+    return [pb.GenerateResponse(token_ids=[5], text="Hel", logprobs=[-0.1]),
+            pb.GenerateResponse(token_ids=[6], text="", logprobs=[-0.2]),
+            pb.GenerateResponse(token_ids=[7, 8], text="lo", logprobs=[-0.3, -0.4], finish_reason=pb.STOP,
+                                usage=pb.Usage(prompt_tokens=4, completion_tokens=4, cached_tokens=2))]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_full_responses_parse_as_openai_types(kind):
+    acc = protocol.Accumulator(kind, logprobs=True)
+    for d in deltas():
+        acc.add(d)
+    body = json.loads(json.dumps(protocol.completion_body(kind, "id-1", "m", acc, "fp")))
+    if kind == "chat":
+        r = ChatCompletion.model_validate(body)
+        assert r.choices[0].message.content == "Hello" and r.choices[0].finish_reason == "stop"
+        assert [t.token for t in r.choices[0].logprobs.content] == ["Hel", "token_id:6", "token_id:7", "token_id:8"]
+        assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    else:
+        r = Completion.model_validate(body)
+        assert r.choices[0].text == "Hello" and r.choices[0].logprobs.text_offset == [0, 3, 3, 3]
+    assert r.usage.total_tokens == 8 and r.usage.prompt_tokens_details.cached_tokens == 2
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_stream_chunks_parse_as_openai_types(kind):
+    maker = protocol.ChunkMaker(kind, "id-2", "m", include_usage=True, fingerprint=None)
+    acc = protocol.Accumulator(kind, logprobs=False)
+    chunks = [maker.role()] if kind == "chat" else []
+    for d in deltas():
+        text, lp = acc.add(d)
+        if text:
+            chunks.append(maker.content(text, lp))
+    chunks += [maker.finish(acc.finish_reason), maker.usage(acc.usage)]
+    if kind == "chat":
+        parsed = [ChatCompletionChunk.model_validate(json.loads(json.dumps(c))) for c in chunks]
+        assert "".join(p.choices[0].delta.content or "" for p in parsed if p.choices) == "Hello"
+        assert parsed[0].choices[0].delta.role == "assistant"
+    else:
+        for c in chunks:  # the strict type wants a finish_reason; OpenAI's stream itself sends null until the end
+            body = json.loads(json.dumps(c))
+            for choice in body["choices"]:
+                choice["finish_reason"] = choice["finish_reason"] or "length"
+            Completion.model_validate(body)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and all(c["usage"] is None for c in chunks[:-1])
+
+
+# ---- latents ------------------------------------------------------------------------------------------
+def npy(array) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def test_latents_files_become_wire_tensors():
+    x = np.arange(2 * 4 * 3 * 3, dtype=np.float64).reshape(2, 4, 3, 3) / 7
+    t = latents.from_file(npy(x.astype(">f8")))  # big-endian float64 -> little-endian float32
+    assert t.dtype == pb.FLOAT32 and list(t.shape) == [2, 4, 3, 3]
+    assert np.array_equal(np.frombuffer(t.data, "<f4").reshape(2, 4, 3, 3), x.astype(np.float32))
+    t = latents.from_file(npy(x[0].astype(np.float16)))  # (C, h, w) -> a batch of one
+    assert t.dtype == pb.FLOAT16 and list(t.shape) == [1, 4, 3, 3]
+    bf = torch.randn(1, 4, 2, 2).to(torch.bfloat16)
+    t = latents.from_file(save_safetensors({"other": torch.zeros(1), "latents": bf}))
+    assert t.dtype == pb.BFLOAT16 and t.data == bf.view(torch.int16).numpy().tobytes()
+    t = latents.from_file(save_safetensors({"z": torch.ones(4, 2, 2, dtype=torch.float64)}))
+    assert t.dtype == pb.FLOAT32 and np.frombuffer(t.data, "<f4").tolist() == [1.0] * 16
+    t = latents.from_raw(np.ones((1, 4, 2, 2), "<f2").tobytes(), "float16", [1, 4, 2, 2])
+    assert t.dtype == pb.FLOAT16
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x93NUMPY garbage", npy(np.zeros((4, 2, 2), np.int32)), npy(np.zeros((2, 2), np.float32)),
+    save_safetensors({"a": torch.zeros(4, 2, 2), "b": torch.zeros(4, 2, 2)}),
+    save_safetensors({"latents": torch.zeros(1, 4, 2, 2)})[:-8],  # truncated
+    save_safetensors({"latents": torch.zeros(1, 4, 2, 2, dtype=torch.int64)}),
+    b"\xff" * 8 + b"{}",
+])
+def test_bad_latents_files(data):
+    refused(latents.from_file, data)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+@pytest.mark.parametrize("code,status", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.NOT_FOUND, 404),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.FAILED_PRECONDITION, 503), (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNIMPLEMENTED, 501),
+])
+def test_grpc_codes_map_to_http(code, status):
+    err = from_grpc(FakeRpcError(code, "what\nhappened"), "llm")
+    body = err.body()["error"]
+    assert err.status == status and set(body) == {"message", "type", "param", "code"}
+    assert "\n" not in body["message"] and "what happened" in body["message"] and body["code"] == code.name.lower()
+
+
+def test_the_gateway_refuses_to_start_without_a_backend():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MODALMESH_")}
+    result = subprocess.run([sys.executable, "-m", "services.gateway", "--port", "0"], capture_output=True,
+                            text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "--llm" in result.stderr
