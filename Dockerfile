@@ -7,7 +7,8 @@
 #       --build-arg TORCH_SPEC=torch==2.13.0+cpu --build-arg PIP_EXTRA_ARGS=--no-index .
 #
 # Run one service per container:  python -m services.<audio_encoder|vision_encoder|llm|vae>
-# (flags or MODALMESH_* environment variables); `modalmesh health` is the health probe.
+# (flags or MODALMESH_* environment variables; gRPC on 50051, metrics on 9400), whose health
+# probe is `modalmesh health`, or the OpenAI-compatible front, python -m services.gateway (:8000).
 #
 # Builds with the classic builder (DOCKER_BUILDKIT=0) as well as BuildKit. Wheels put in
 # deploy/docker/wheels/ and CA certificates (*.crt) in deploy/docker/ca-certificates/ are used
@@ -79,13 +80,10 @@ RUN /opt/modalmesh/bin/pip install -q --no-deps --no-index /tmp/dist/*.whl \
     && chown modalmesh:modalmesh /models
 ENV PATH=/opt/modalmesh/bin:$PATH \
     NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    MODALMESH_HOST=0.0.0.0 \
-    MODALMESH_PORT=50051 \
-    MODALMESH_METRICS_PORT=9400
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER modalmesh
 WORKDIR /home/modalmesh
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400
 HEALTHCHECK --interval=10s --timeout=10s --start-period=300s --retries=3 \
     CMD ["modalmesh", "health", "--target", "127.0.0.1:50051"]
 CMD ["modalmesh", "--help"]

@@ -1,6 +1,7 @@
 """The compose stack for real: build the image, `docker-compose up` with the CPU override and
-the tiny default checkpoints, wait for gRPC health, send requests from the host, scale the
-vision encoder to two replicas, read Prometheus, `down -v`.
+the tiny default checkpoints, wait for health, send requests from the host (gRPC with the
+project's client and CLI, the OpenAI gateway over HTTP), scale the vision encoder to two
+replicas and see both serve, read the real Prometheus, `down -v`.
 
 Needs a Docker engine and docker-compose (v1.29 or newer). Without them the tests skip with the
 reason, unless MODALMESH_REQUIRE_DOCKER=1 (as `.ci/run` sets): then a missing engine fails.
@@ -9,9 +10,11 @@ Build and start-up times are printed and written to .cache/compose-timings.json.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +57,7 @@ COMPOSE_ENV = {
     "MODALMESH_VAE_PUBLISH": "127.0.0.1:",
     "MODALMESH_PROMETHEUS_PUBLISH": "127.0.0.1:",
     "MODALMESH_GRAFANA_PUBLISH": "127.0.0.1:",
+    "MODALMESH_GATEWAY_PUBLISH": "127.0.0.1:",
 }
 
 
@@ -152,7 +156,7 @@ def stack(request):
     try:
         t0 = time.monotonic()
         s.compose("up", "-d", timeout=600)
-        s.wait_healthy({**{n: 1 for n in SERVICES}, "prometheus": 1})
+        s.wait_healthy({**{n: 1 for n in SERVICES}, "gateway": 1, "prometheus": 1})
         # From `up` (which runs the models job first) to every healthcheck passing.
         s.timings["up_to_healthy_s"] = time.monotonic() - t0
         yield s
@@ -240,12 +244,6 @@ def test_stack_serves_requests_from_the_host(stack):
     assert len(ids2) == 6 and last2.usage.prompt_tokens > emb.num_placeholder_tokens
 
 
-def _llm_fans_out(stack: Stack) -> bool:
-    """Whether this build's LLM has the encoder fan-out flags (--vision-encoder)."""
-    out = stack.compose("exec", "-T", "llm", "python", "-m", "services.llm", "--help", timeout=120)
-    return "--vision-encoder" in out.stdout
-
-
 # The project's own client (round_robin over dns:///, retries) inside the compose network.
 _RR_CLIENT = """
 import io, json, numpy as np
@@ -282,10 +280,9 @@ def test_scaled_vision_encoder_spreads_encode_load(stack):
 
 
 def test_llm_fans_out_over_the_scaled_pool(stack):
-    if not _llm_fans_out(stack):
-        pytest.skip("this build's LLM has no --vision-encoder fan-out yet (the encoder pool's round_robin is "
-                    "checked with the project's client inside the compose network)")
-    # The LLM's own channel resolves dns:///vision_encoder on first use, after the scale-up.
+    # The LLM's first raw image comes now, after the scale-up: its channel resolves
+    # dns:///vision_encoder lazily and sees both replicas. (A channel that resolved before a
+    # scale-up finds new replicas within the servers' max connection age, 5 min.)
     ips = stack.ips("vision_encoder")
     assert len(ips) == 2
     llm = stack.published("llm", 50051)
@@ -302,6 +299,36 @@ def test_llm_fans_out_over_the_scaled_pool(stack):
     assert sum(served.values()) == 8 and all(n >= 1 for n in served.values()), served
 
 
+def test_cli_and_gateway_from_the_host(stack, tmp_path):
+    """The user's path: `modalmesh generate --image` (the LLM fans the image out to its encoder
+    pool), `modalmesh decode` on the VAE, and an OpenAI chat completion through the gateway."""
+    llm, vae = stack.published("llm", 50051), stack.published("vae", 50051)
+    (tmp_path / "a.png").write_bytes(_png(7))
+    out = subprocess.run([sys.executable, "-m", "modalmesh.cli", "generate", "What is in the picture?",
+                          "--image", str(tmp_path / "a.png"), "--max-tokens", "8", "--temperature", "0",
+                          "--target", llm], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\[(length|stop): \d+ prompt \+ \d+ completion tokens\]", out.stderr), out.stderr
+
+    np.save(tmp_path / "latents.npy", np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32))
+    out = subprocess.run([sys.executable, "-m", "modalmesh.cli", "decode", str(tmp_path / "latents.npy"),
+                          "-o", str(tmp_path / "out.png"), "--target", vae], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with Image.open(tmp_path / "out.png") as img:
+        assert img.mode == "RGB" and img.width >= 8
+
+    gateway = stack.published("gateway", 8000)
+    image = "data:image/png;base64," + base64.b64encode(_png(8)).decode()
+    body = {"model": "qwen2_vl", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                                      {"type": "text", "text": "Describe the image."}]}]}
+    req = urllib.request.Request(f"http://{gateway}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 6, reply
+    assert isinstance(reply["choices"][0]["message"]["content"], str)
+
+
 def _query(prom: str, expr: str) -> list[dict]:
     url = f"http://{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     body = json.loads(urllib.request.urlopen(url, timeout=10).read())
@@ -311,7 +338,7 @@ def _query(prom: str, expr: str) -> list[dict]:
 
 def test_prometheus_scrapes_every_replica(stack):
     prom = stack.published("prometheus", 9090)
-    instances = {f"{ip}:9400" for s in SERVICES for ip in stack.ips(s)}
+    instances = {f"{ip}:9400" for s in (*SERVICES, "gateway") for ip in stack.ips(s)}
     deadline = time.monotonic() + 120  # dns_sd refresh and scrape interval are 5 s
     while True:
         up = {r["metric"]["instance"] for r in _query(prom, 'up{job="modalmesh"} == 1')}

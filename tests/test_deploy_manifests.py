@@ -116,7 +116,7 @@ def test_kustomization_lists_every_manifest():
 def test_deployments_probe_grpc_health_and_are_scraped():
     docs = _base_resources()
     deployments, services = _by_kind(docs, "Deployment"), _by_kind(docs, "Service")
-    assert set(deployments) == set(SERVICES)
+    assert set(deployments) == {*SERVICES, "gateway"}
     for name, module in SERVICES.items():
         pod = deployments[name]["spec"]["template"]
         spec = pod["spec"]
@@ -162,6 +162,22 @@ def test_llm_fans_out_to_the_headless_encoder_services():
         assert services[svc]["spec"]["clusterIP"] == "None"
 
 
+def test_gateway_fronts_the_llm_and_vae_over_http():
+    docs = _base_resources()
+    pod = _by_kind(docs, "Deployment")["gateway"]["spec"]["template"]
+    (c,) = pod["spec"]["containers"]
+    env = _env(c)
+    assert c["command"] == ["python", "-m", "services.gateway"]
+    assert env["MODALMESH_LLM"] == "dns:///llm:50051" and env["MODALMESH_VAE"] == "dns:///vae:50051"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": int(env["MODALMESH_PORT"]), "metrics": int(env["MODALMESH_METRICS_PORT"])}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["metrics"])
+    svc = _by_kind(docs, "Service")["gateway"]["spec"]
+    assert svc["selector"] == pod["metadata"]["labels"]
+
+
 def test_models_job_makes_the_checkpoints_the_pods_load():
     docs = _base_resources()
     job = _by_kind(docs, "Job")["modalmesh-models"]
@@ -175,6 +191,8 @@ def test_models_job_makes_the_checkpoints_the_pods_load():
 
 def test_cpu_overlay_drops_gpus():
     for name, d in _by_kind(_cpu_resources(), "Deployment").items():
+        if name == "gateway":
+            continue
         c = d["spec"]["template"]["spec"]["containers"][0]
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), name
         assert _env(c)["MODALMESH_DEVICE"] == "cpu"
@@ -195,7 +213,7 @@ def _extended(service: dict) -> dict:
 def test_compose_services_health_gpus_and_cpu_override():
     base, cpu = _compose("docker-compose.yml"), _compose("docker-compose.cpu.yml")
     services = base["services"]
-    assert {"models", "prometheus", "grafana", *SERVICES.values()} == set(services)
+    assert {"models", "gateway", "prometheus", "grafana", *SERVICES.values()} == set(services)
     for module in SERVICES.values():
         s = services[module]
         assert s["command"] == ["python", "-m", f"services.{module}"]
@@ -214,6 +232,10 @@ def test_compose_services_health_gpus_and_cpu_override():
     assert llm["MODALMESH_AUDIO_ENCODER"] == "dns:///audio_encoder:50051"
     assert services["models"]["command"][-1] == ",".join(sorted(TINY, key=["qwen2_vl", "qwen2_audio", "vae"].index))
     assert services["grafana"]["profiles"] == ["grafana"]
+    gateway = services["gateway"]
+    assert gateway["command"] == ["python", "-m", "services.gateway"] and "deploy" not in gateway
+    assert gateway["environment"]["MODALMESH_LLM"] == "dns:///llm:50051"
+    assert gateway["environment"]["MODALMESH_VAE"] == "dns:///vae:50051"
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
@@ -237,7 +259,7 @@ def test_prometheus_discovers_every_replica_of_every_service():
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     job = next(j for j in prom["scrape_configs"] if j["job_name"] == "modalmesh")
     (sd,) = job["dns_sd_configs"]
-    assert set(sd["names"]) == set(SERVICES.values()) and sd["type"] == "A" and sd["port"] == 9400
+    assert set(sd["names"]) == {*SERVICES.values(), "gateway"} and sd["type"] == "A" and sd["port"] == 9400
 
 
 def test_grafana_dashboard_queries_only_metrics_that_exist():
