@@ -19,6 +19,9 @@
 ARG BASE_IMAGE=debian:bookworm-20250520-slim
 
 FROM ${BASE_IMAGE} AS system
+LABEL org.opencontainers.image.title=modalmesh \
+      org.opencontainers.image.description="modalmesh services: audio/vision encoders, LLM, VAE, gateway" \
+      io.modalmesh.image=1
 ENV LANG=C.UTF-8 \
     DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
