@@ -28,16 +28,18 @@ ENV LANG=C.UTF-8 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
-# Python 3.11 from Debian; every package pinned (bookworm's current point release).
+# Python 3.11 from Debian; every package pinned (bookworm's current point release). A Debian mirror
+# keeps only the newest security build of a package, so when a pinned build leaves it the pins can no
+# longer install: then the current builds are installed and the log says loudly to move the pins
+# (the ARG below), rather than turning every build red overnight.
+ARG APT_PINS="ca-certificates=20250419~deb12u2 python3.11=3.11.2-6+deb12u9 libpython3.11-stdlib=3.11.2-6+deb12u9 \
+python3.11-venv=3.11.2-6+deb12u9 python3=3.11.2-1+b1 python3-venv=3.11.2-1+b1 python3-pip=23.0.1+dfsg-1"
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends \
-        ca-certificates=20250419~deb12u2 \
-        python3.11=3.11.2-6+deb12u9 \
-        libpython3.11-stdlib=3.11.2-6+deb12u9 \
-        python3.11-venv=3.11.2-6+deb12u9 \
-        python3=3.11.2-1+b1 \
-        python3-venv=3.11.2-1+b1 \
-        python3-pip=23.0.1+dfsg-1 \
+    && if ! apt-get install -y --no-install-recommends ${APT_PINS}; then \
+        echo "WARNING: pinned Debian builds are gone from the mirror; installing the current ones. Move the pins:" \
+        && apt-get install -y --no-install-recommends $(echo ${APT_PINS} | sed 's/=[^ ]*//g') \
+        && dpkg-query -W $(echo ${APT_PINS} | sed "s/=[^ ]*//g"); \
+    fi \
     && rm -rf /var/lib/apt/lists/*
 # Extra CA certificates (e.g. a proxy's): trusted by pip here and by the services at run time.
 COPY deploy/docker/ca-certificates/ /usr/local/share/ca-certificates/

@@ -152,7 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip-scaling", action="store_true", help="latents are already unscaled")
     p.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    from modalmesh.demo import demo
+    def demo(args):
+        from modalmesh.demo import demo as run_demo  # torch, PIL: only when asked for
+
+        return run_demo(args)
 
     commands = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
     return commands[args.command](args)

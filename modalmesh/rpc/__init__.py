@@ -1,16 +1,21 @@
-"""RPC plumbing: tensor codec, server bootstrap, client channels, status mapping."""
+"""RPC plumbing: tensor codec, server bootstrap, client channels, status mapping.
 
-from modalmesh.rpc.channel import aio_channel, normalize_target, sync_channel
-from modalmesh.rpc.codec import from_proto, to_proto
-from modalmesh.rpc.server import GrpcServer, ServerConfig, serve_until_signal
+Names are loaded on first use, so `modalmesh.rpc.channel` (health probes, clients) does not pull
+in torch through the codec: a container healthcheck runs every few seconds.
+"""
 
-__all__ = [
-    "GrpcServer",
-    "ServerConfig",
-    "aio_channel",
-    "from_proto",
-    "normalize_target",
-    "serve_until_signal",
-    "sync_channel",
-    "to_proto",
-]
+import importlib
+
+_EXPORTS = {
+    "aio_channel": "channel", "normalize_target": "channel", "sync_channel": "channel",
+    "from_proto": "codec", "to_proto": "codec",
+    "GrpcServer": "server", "ServerConfig": "server", "serve_until_signal": "server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'modalmesh.rpc' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"modalmesh.rpc.{_EXPORTS[name]}"), name)
