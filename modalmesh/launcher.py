@@ -21,7 +21,9 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-_LISTENING = re.compile(r"listening grpc=(?P<ghost>[^\s:]+|\[[^\]]+\]):(?P<gport>\d+) metrics=\S+:(?P<mport>-?\d+)")
+# grpc= for the gRPC services, http= for the gateway.
+_LISTENING = re.compile(
+    r"listening (?:grpc|http)=(?P<ghost>[^\s:]+|\[[^\]]+\]):(?P<gport>\d+) metrics=\S+:(?P<mport>-?\d+)")
 
 
 def _die_with_parent() -> None:

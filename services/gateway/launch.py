@@ -7,16 +7,11 @@ readiness is ``GET /health`` == 200 (every backend SERVING), not gRPC health.
 from __future__ import annotations
 
 import json
-import queue
-import re
 import time
 import urllib.error
 import urllib.request
 
 from modalmesh.launcher import ServiceProcess
-
-_LISTENING = re.compile(r"listening http=(?P<host>[^\s:]+|\[[^\]]+\]):(?P<port>\d+) metrics=\S+:(?P<mport>-?\d+)")
-
 
 class GatewayProcess(ServiceProcess):
     def __init__(self, args=(), **kwargs):
@@ -29,24 +24,6 @@ class GatewayProcess(ServiceProcess):
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-    def wait_listening(self, timeout: float = 60.0) -> tuple[int, int]:
-        deadline = time.monotonic() + timeout
-        while self.grpc_port is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"gateway did not start listening within {timeout}s:\n{self.log_tail()}")
-            try:
-                line = self._events.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.proc.wait() if self.proc else None
-                raise RuntimeError(f"gateway exited with {code} before listening:\n{self.log_tail()}")
-            match = _LISTENING.search(line)
-            if match:
-                self.grpc_port, self.metrics_port = int(match["port"]), int(match["mport"])
-        return self.grpc_port, self.metrics_port
 
     def health(self, timeout: float = 5.0) -> tuple[int, dict]:
         try:
