@@ -87,6 +87,26 @@ def destroy_tp() -> None:
     _tp = _SINGLE
 
 
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. KV pages that fit on every GPU); identity at TP=1."""
+    if _tp.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_tp.group)
+    return int(t.item())
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s tensor on every rank (in place on the others); identity at TP=1."""
+    if _tp.size > 1:
+        dist.broadcast(x, src=src, group=_tp.group)
+    return x
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group, in place; identity at TP=1."""
     if _tp.size > 1:

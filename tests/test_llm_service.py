@@ -207,7 +207,8 @@ def test_metrics_count_tokens_and_latency(qwen2):
     assert any(k[0] == "modalmesh_attention_backend_info" for k in samples)
 
 
-def test_qwen2_vl_with_precomputed_image_embeddings_equals_hf_generate(ckpts):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_vl_with_precomputed_image_embeddings_equals_hf_generate(ckpts, tp):
     from PIL import Image
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
@@ -237,7 +238,7 @@ def test_qwen2_vl_with_precomputed_image_embeddings_equals_hf_generate(ckpts):
         want = ref.generate(input_ids=input_ids, pixel_values=inputs["pixel_values"], image_grid_thw=grids,
                             mm_token_type_ids=mm_token_type_ids, max_new_tokens=12,
                             do_sample=False)[0, input_ids.shape[1]:].tolist()
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, "--tensor-parallel-size", str(tp))
     try:
         items = [pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(
             embedding=to_proto(r), grid_thw=[int(x) for x in grid], num_placeholder_tokens=r.shape[0]))
@@ -263,5 +264,24 @@ def test_qwen2_vl_with_precomputed_image_embeddings_equals_hf_generate(ckpts):
             llm.generate(text="<|image_pad|>", items=[raw], sampling=greedy(2))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--vision-encoder" in err.value.details()
         assert llm.kv_used() == 0
+    finally:
+        llm.close()
+
+
+def test_tensor_parallel_service_equals_hf_generate(ckpts):
+    # Two ranks (gloo on the CPU): rank 0 serves, rank 1 follows each step with its shard.
+    from transformers import AutoTokenizer
+
+    model_dir = tiny.ensure("qwen2", ckpts)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = LLM(model_dir, "--tensor-parallel-size", "2", "--max-batch-tokens", "16")
+    try:
+        with cf.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(llm.generate, text=p, sampling=greedy(10)) for p in PROMPTS[:3]]
+            results = [f.result() for f in futures]
+        for prompt, (ids, _, _) in zip(PROMPTS, results):
+            assert ids == _hf_generate(model_dir, tok(prompt)["input_ids"], 10)
+        info = llm.stub.Info(pb.InfoRequest(), timeout=10)
+        assert info.pools[0].used_tokens == 0
     finally:
         llm.close()

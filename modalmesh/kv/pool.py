@@ -21,12 +21,14 @@ allocate / extend / free also updates the ``modalmesh_kv_pool_*`` gauges.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from modalmesh import distributed
 from modalmesh import metrics as metrics_mod
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
@@ -250,4 +252,6 @@ def build_kv_pool(
     free = free_device_memory(device)
     plan = plan_kv_pool(layout, max_model_len=max_model_len, page_size=page_size, kv_cache_tokens=kv_cache_tokens,
                         free_bytes=free, mem_fraction=mem_fraction)
+    # Tensor-parallel ranks index one shared block table: every rank gets the pages all of them fit.
+    plan = dataclasses.replace(plan, num_pages=distributed.agree_min(plan.num_pages))
     return KVPool(layout, plan, device, metrics=metrics)

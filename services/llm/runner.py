@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from modalmesh.attention import Attention, PagedMetadata
+from modalmesh.distributed import tp_size
 from modalmesh.kv.pool import KVPool
 from modalmesh.layers.rotary import RotaryEmbedding
 from services.llm.graphs import GRAPH_SAFE_BACKENDS, DecodeGraphs
 from services.llm.inputs import PreparedPrompt
 from services.llm.sampling import SamplerRow, sample
+from services.llm.tp import StepChannel, StepInputs
 from services.llm.scheduler import Chunk, Step
 
 
@@ -36,6 +38,9 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, device: torch.device, max_model_len: int | None = None, *,
                  cuda_graphs: bool = False, max_num_seqs: int = 256):
         self.model = model
+        # Tensor parallel (rank 0 of a group): broadcast each step to the worker ranks; graphs stay off.
+        self.channel = StepChannel(device, model.cfg.hidden_size, model.dtype) if tp_size() > 1 else None
+        cuda_graphs = cuda_graphs and self.channel is None
         self.pool = pool
         self.device = device
         if max_model_len:
@@ -111,20 +116,31 @@ class ModelRunner:
             seq_ids.append(seq.seq_id)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.cat(positions, dim=-1).to(self.device)
-        meta = PagedMetadata.build(query_lens, context_lens, self.pool.block_table(seq_ids), self.pool.page_size)
+        block_table = self.pool.block_table(seq_ids)
+        sampled_chunks = [c for c in step.chunks if c.sample]
+        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        rows_index = ends[torch.tensor([i for i, c in enumerate(step.chunks) if c.sample], dtype=torch.long,
+                                       device=self.device)]
+        if self.channel is not None:  # tensor parallel: the other ranks run this same step
+            self.channel.send(StepInputs(input_ids, pos, query_lens, context_lens, block_table, rows_index,
+                                         bool(splices)))
+        meta = PagedMetadata.build(query_lens, context_lens, block_table, self.pool.page_size)
         inputs_embeds = None
         if splices:
             inputs_embeds = self.model.embed(input_ids)
             for row, rows in splices:
                 inputs_embeds[row:row + rows.shape[0]] = rows.to(inputs_embeds.dtype)
+            if self.channel is not None:
+                self.channel.embeds(inputs_embeds)
         hidden = self.model(pos, meta, self.kv_caches, input_ids=None if splices else input_ids,
                             inputs_embeds=inputs_embeds)
-        sampled_chunks = [c for c in step.chunks if c.sample]
         if not sampled_chunks:
             return []
-        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        which = torch.tensor([i for i, c in enumerate(step.chunks) if c.sample], device=self.device)
-        return self._sample(sampled_chunks, hidden, ends[which])
+        return self._sample(sampled_chunks, hidden, rows_index)
+
+    def stop_workers(self) -> None:
+        if self.channel is not None:
+            self.channel.send_stop()
 
     def _sample(self, sampled_chunks: list[Chunk], hidden: torch.Tensor, rows_index: torch.Tensor) -> list[Sampled]:
         logits = self.model.compute_logits(hidden[rows_index])

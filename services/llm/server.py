@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import uuid
 
+import torch
+
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
@@ -21,6 +23,7 @@ from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
 from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
 from services.llm.sampling import SamplingParams
+from services.llm.tp import TPWorkers
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
 CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
@@ -48,6 +51,7 @@ class LLMService(Service):
         super().__init__(args, metrics)
         self.engine: LLMEngine | None = None
         self.fanout: EncoderFanout | None = None
+        self.workers: TPWorkers | None = None
         self.config: ModelConfig | None = None
         self.tokenizer = None
         self.max_model_len = 0
@@ -63,6 +67,8 @@ class LLMService(Service):
         parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one step")
         parser.add_argument("--max-prefill-chunk", type=int, default=None, help="longest prompt chunk of one step")
         parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this: RESOURCE_EXHAUSTED")
+        parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                            help="shard the model over this many GPUs (ranks 1.. run as child processes)")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
         parser.add_argument("--vision-encoder", default=None, metavar="TARGET",
@@ -94,6 +100,22 @@ class LLMService(Service):
 
         from services.llm.loader import load_llm
 
+        tp = self.args.tensor_parallel_size
+        if tp < 1 or (self.device.type == "cuda" and tp > torch.cuda.device_count()):
+            raise ConfigError(f"--tensor-parallel-size {tp}: needs 1..{torch.cuda.device_count()} visible GPUs")
+        cfg = ModelConfig.from_hf(self.model_dir)
+        self.max_model_len = self.args.max_model_len or cfg.max_position_embeddings or 0
+        if not self.max_model_len:
+            raise ConfigError("the config has no max_position_embeddings: pass --max-model-len")
+        kv_tokens = self.args.kv_cache_tokens
+        if kv_tokens is None and self.device.type == "cpu":  # sized from free RAM it would be absurd
+            kv_tokens = max(CPU_DEFAULT_KV_TOKENS, self.max_model_len)
+        if tp > 1:  # every rank loads its shard and sizes its pool the same way
+            self.workers = TPWorkers(tp, str(self.model_dir), self.device.type, self.dtype, dict(
+                page_size=self.args.page_size, dummy=self.args.dummy_weights, kv_cache_tokens=kv_tokens,
+                mem_fraction=self.args.mem_fraction, log_level=self.args.log_level, max_model_len=self.max_model_len))
+            self.workers.start()
+            self.workers.init_rank0(self.device.type)
         model, cfg, _report = load_llm(self.model_dir, device=self.device, dtype=self.dtype,
                                        page_size=self.args.page_size, dummy=self.args.dummy_weights)
         self.config = cfg
@@ -103,14 +125,7 @@ class LLMService(Service):
             raise ConfigError(f"--model {self.model_dir}: cannot load its tokenizer ({exc})") from exc
         if getattr(model, "uses_mrope", False):
             self.spatial_merge = int(ModelConfig.from_hf(self.model_dir, part="vision").get("spatial_merge_size", 2))
-        limit = cfg.max_position_embeddings or 0
-        self.max_model_len = self.args.max_model_len or limit
-        if not self.max_model_len:
-            raise ConfigError("the config has no max_position_embeddings: pass --max-model-len")
-        kv_tokens = self.args.kv_cache_tokens
-        if kv_tokens is None and self.device.type == "cpu":
-            kv_tokens = max(CPU_DEFAULT_KV_TOKENS, self.max_model_len)
-        pool = build_kv_pool(cfg, self.device, max_model_len=self.max_model_len, dtype=self.dtype,
+        pool = build_kv_pool(cfg, self.device, max_model_len=self.max_model_len, dtype=self.dtype, tp_size=tp,
                              page_size=self.args.page_size, kv_cache_tokens=kv_tokens,
                              mem_fraction=self.args.mem_fraction, metrics=self.metrics)
         eos = tuple(cfg.eos_token_ids)
@@ -125,6 +140,10 @@ class LLMService(Service):
     async def close(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
+            if self.workers is not None:
+                self.engine.runner.stop_workers()
+        if self.workers is not None:
+            await asyncio.to_thread(self.workers.join)
         if self.fanout is not None:
             await self.fanout.close()
 
@@ -135,6 +154,7 @@ class LLMService(Service):
             info.hidden_size = self.config.hidden_size
             info.vocab_size = self.config.vocab_size or 0
             info.max_model_len = self.max_model_len
+            info.extra["tensor_parallel_size"] = str(self.args.tensor_parallel_size)
         if self.engine is not None:
             pool = self.engine.pool
             info.pools.append(pb.PoolInfo(name="kv", capacity_tokens=pool.allocator.capacity_tokens,
