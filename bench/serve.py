@@ -77,13 +77,14 @@ async def run(target: str, concurrency: int, requests: int, prompt_len: int, out
                 tpot_mean_ms=statistics.mean(tpot) * 1e3 if tpot else float("nan"))
 
 
-def start_service(max_num_seqs: int, quick: bool):
+def start_service(max_num_seqs: int, quick: bool, tp: int = 1):
     from bench.llm import QUICK, QWEN25_7B, make_checkpoint
     from modalmesh.launcher import ServiceProcess
 
     ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt), "--dummy-weights",
-             "--max-num-seqs", str(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096"]
+             "--max-num-seqs", str(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096",
+             "--tensor-parallel-size", str(tp)]
     if quick:
         flags += ["--device", "cpu", "--kv-cache-tokens", "65536"]
     proc = ServiceProcess("llm", flags, echo=False).start()
@@ -96,6 +97,7 @@ def main() -> int:
     parser.add_argument("--target", default="127.0.0.1:50053")
     parser.add_argument("--start", action="store_true", help="start a local LLM service (random weights)")
     parser.add_argument("--quick", action="store_true", help="with --start: a tiny model on the CPU")
+    parser.add_argument("--tp", type=int, default=1, help="with --start: --tensor-parallel-size")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -104,7 +106,7 @@ def main() -> int:
     args = parser.parse_args()
     proc = None
     if args.start:
-        proc, args.vocab = start_service(args.concurrency, args.quick)
+        proc, args.vocab = start_service(args.concurrency, args.quick, args.tp)
         args.target = proc.target
     try:
         stats = asyncio.run(run(args.target, args.concurrency, args.requests, args.prompt_len, args.output_len,
@@ -113,7 +115,7 @@ def main() -> int:
         if proc is not None:
             proc.terminate(timeout=120)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}, indent=1))
-    print(f"{args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
+    print(f"TP={args.tp}: {args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
           f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
           f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
     return 0

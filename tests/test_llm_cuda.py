@@ -118,3 +118,28 @@ def test_cuda_graph_decode_equals_eager_decode(root, family):
             engine.stop()
         assert engine.pool.allocator.used_tokens == 0
     assert results[True] == results[False]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_two_gpus_equals_one(root):
+    import grpc
+
+    from modalmesh import pb
+    from modalmesh.launcher import ServiceProcess
+
+    path = tiny.ensure("qwen2", root)
+    outs = {}
+    for tp in (1, 2):
+        proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model",
+                                      str(path), "--dtype", "float32", "--tensor-parallel-size", str(tp)]).start()
+        try:
+            proc.wait_serving(timeout=300)
+            with grpc.insecure_channel(proc.target) as channel:
+                stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+                outs[tp] = [[t for r in stub.Generate(pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(temperature=0, max_tokens=16,
+                                                                             ignore_eos=True)), timeout=120)
+                             for t in r.token_ids] for p in PROMPTS]
+        finally:
+            assert proc.terminate(timeout=60) == 0
+    assert outs[1] == outs[2] and all(len(set(o)) > 3 for o in outs[1])
