@@ -44,12 +44,29 @@ class DoublingModel(EncoderModel):
         return [EncodedItem(r.clone(), valid_length=r.shape[0]) for r in rows.split([p.cost for p in batch])]
 
 
+class KeyedDoublingModel(DoublingModel):
+    """Knows its cache key before preparing (as the vision and audio models do); counts prepare calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared = 0
+
+    def cache_key(self, item, index):
+        return hashlib.sha256(item.pcm.data).digest() if item.HasField("pcm") else None
+
+    def prepare(self, item, index):
+        self.prepared += 1
+        return super().prepare(item, index)
+
+
 class ToyEncoderService(EncoderService):
     name = "audio_encoder"
     modality = pb.AUDIO
 
+    model_class = DoublingModel
+
     def build_model(self):
-        return DoublingModel()
+        return self.model_class()
 
 
 def _item(values):
@@ -212,5 +229,24 @@ def test_cache_hits_return_identical_bytes_and_bad_items_fail_cleanly(tmp_path):
         assert get("modalmesh_encoded_items_total", {"service": "audio_encoder", "modality": "audio"}) == 4
         assert get("modalmesh_requests_total", {"service": "audio_encoder", "rpc": "Encode",
                                                 "code": "INVALID_ARGUMENT"}) == 4
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_repeated_content_with_an_early_key_is_prepared_and_encoded_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(ToyEncoderService, "model_class", KeyedDoublingModel)
+
+    async def body():
+        service, server, port, _ = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                reply = await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0]), _item([5.0]), _item([1.0, 2.0])]))
+            assert service.model.prepared == 2 and service.model.batches == [2]
+            assert reply.embeddings[0].embedding.data == reply.embeddings[2].embedding.data
+            assert from_proto(reply.embeddings[2].embedding).tolist() == [[2.0] * 3, [4.0] * 3]
+        finally:
+            await server.stop(0)
+            await service.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

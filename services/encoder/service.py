@@ -121,10 +121,17 @@ class EncoderService(Service):
             *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
         )
         out: list[pb.Embedding | None] = [None] * n
+        first: dict[bytes, int] = {}  # key -> first index: repeats of known content are prepared once
+        repeats: dict[int, int] = {}
         for i, key in enumerate(keys):
-            if key is not None:
-                out[i] = self.cache.get(key)  # a hit skips decoding and preprocessing
-        todo = [i for i in range(n) if out[i] is None]
+            if key is None:
+                continue
+            if key in first:
+                repeats[i] = first[key]
+                continue
+            first[key] = i
+            out[i] = self.cache.get(key)  # a hit skips decoding and preprocessing
+        todo = [i for i in range(n) if out[i] is None and i not in repeats]
         prepared = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self.model.prepare, request.items[i], i) for i in todo)
         )
@@ -146,6 +153,8 @@ class EncoderService(Service):
                 self.cache.put(key, message)
                 for i in indices:
                     out[i] = message
+        for i, j in repeats.items():
+            out[i] = out[j]
         response = pb.EncodeResponse(embeddings=out, model_id=self.model_id,
                                      weights_fingerprint=self.weights_fingerprint, modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()

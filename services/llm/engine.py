@@ -104,10 +104,10 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise InvalidArgument(f"prompt has {n} tokens; this model's limit is {self.max_model_len} "
                                   "(prompt + output)")
-        max_tokens = min(params.max_tokens, self.max_model_len - n) if params.max_tokens else self.max_model_len - n
         if params.max_tokens and n + params.max_tokens > self.max_model_len:
             raise InvalidArgument(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this model's "
                                   f"limit of {self.max_model_len} tokens")
+        max_tokens = params.max_tokens or self.max_model_len - n  # 0: up to the model's limit
         with self._lock:
             waiting = self._pending + self.scheduler.num_waiting
             if waiting >= self.max_queue:

@@ -16,7 +16,7 @@ import torch
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import from_proto
+from modalmesh.rpc.codec import dtype_name, from_proto
 from services.llm.mrope import mrope_positions
 
 _FLOAT_WIRE = {pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16}
@@ -102,8 +102,8 @@ def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int) -> tuple[t
         raise InvalidArgument(f"items[{index}]: no embedding")
     message = item.embedding.embedding
     if message.dtype not in _FLOAT_WIRE:
-        raise InvalidArgument(f"items[{index}].embedding: dtype {pb.DType.Name(message.dtype) if message.dtype in pb.DType.values() else message.dtype} "
-                              "is not a float type (FLOAT32, FLOAT16, BFLOAT16)")
+        raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(message.dtype)} is not a float type "
+                              "(FLOAT32, FLOAT16, BFLOAT16)")
     tensor = from_proto(message, name=f"items[{index}].embedding")
     if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
         raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
