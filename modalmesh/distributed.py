@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -149,6 +150,19 @@ def _launched(rank: int, world_size: int, backend: str, port: int, fn: Callable,
             except RuntimeError:
                 pass
         destroy_tp()
+    exit_rank()
+
+
+def exit_rank(code: int = 0) -> None:
+    """End a finished rank process without interpreter finalisation.
+
+    Finalisation can still find gloo worker threads holding tensors after the group is destroyed;
+    freeing them then needs the GIL of a dying interpreter and aborts the process
+    ("terminate called without an active exception", SIGABRT), which a launcher reads as failure.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch(world_size: int, fn: Callable, *args, backend: str | None = None) -> None:

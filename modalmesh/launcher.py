@@ -26,14 +26,27 @@ _LISTENING = re.compile(
     r"listening (?:grpc|http)=(?P<ghost>[^\s:]+|\[[^\]]+\]):(?P<gport>\d+) metrics=\S+:(?P<mport>-?\d+)")
 
 
-def _die_with_parent() -> None:
-    """Child pre-exec: SIGTERM the service if the launcher dies (Linux), so nothing is orphaned."""
+PARENT_PID_ENV = "MODALMESH_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """Called first thing in a launched child: SIGTERM it when the launcher dies (Linux), so nothing is orphaned.
+
+    Done in the child after exec, not as a ``preexec_fn``: Python code between fork and exec in a
+    process with threads (gRPC's, the log pumps) can deadlock or crash the child (CI saw SIGSEGV).
+    If the launcher died before this ran, the child is already orphaned: it exits at once.
+    """
+    expected = os.environ.pop(PARENT_PID_ENV, None)
+    if expected is None or not sys.platform.startswith("linux"):
+        return
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort off Linux
-        pass
+    except Exception:  # noqa: BLE001 - best effort: a missing libc only loses orphan cleanup
+        return
+    if os.getppid() != int(expected):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class ServiceProcess:
@@ -41,7 +54,7 @@ class ServiceProcess:
                  echo: bool = False, python: str = sys.executable, module: str | None = None):
         self.service = service
         self.argv = [python, "-m", module or f"services.{service}", *args]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **(env or {})}
         self.echo = echo
         self.proc: subprocess.Popen | None = None
         self.grpc_port: int | None = None
@@ -55,7 +68,6 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # Ctrl-C in a terminal reaches the launcher only; it drains children itself
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         threading.Thread(target=self._pump, name=f"{self.service}-log", daemon=True).start()
         return self

@@ -23,6 +23,7 @@ from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
+from modalmesh.launcher import die_with_parent
 from modalmesh.rpc.server import MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
@@ -180,6 +181,7 @@ class Service:
 
 def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
     """Parse flags, serve until SIGTERM/SIGINT, return the exit code."""
+    die_with_parent()
     parser = build_parser(service_cls.name, service_cls.description, max_message_mb=service_cls.max_message_mb)
     service_cls.add_arguments(parser)
     args = parser.parse_args(argv)

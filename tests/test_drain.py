@@ -1,11 +1,18 @@
 """SIGTERM drain in a real process: in-flight calls finish, new calls are refused, exit 0."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import grpc
+import pytest
 
 from modalmesh import pb
-from modalmesh.launcher import ServiceProcess
+from modalmesh.launcher import PARENT_PID_ENV, ServiceProcess
 
 
 def test_sigterm_lets_in_flight_call_finish_then_refuses_new_calls_and_exits_0():
@@ -49,3 +56,51 @@ def test_second_sigterm_during_drain_does_not_change_exit_code():
         assert in_flight.result(timeout=60).model_id == "echo"
         channel.close()
         assert proc.proc.wait(timeout=60) == 0
+
+
+# ---- orphans -------------------------------------------------------------------------------------
+_LAUNCHER = """
+import os, sys
+from modalmesh.launcher import ServiceProcess
+proc = ServiceProcess("echo", ["--port", "0", "--grace", "5"], module="tests.helpers.echo_service").start()
+proc.wait_listening(60)
+print(proc.proc.pid, flush=True)
+os._exit(0)  # the launcher crashes: no terminate(), no atexit
+"""
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """True once `pid` has exited (a zombie awaiting its new parent's reap counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_service_stops_when_its_launcher_dies():
+    out = subprocess.run([sys.executable, "-c", _LAUNCHER], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    try:
+        assert _gone(pid, 30), f"service {pid} outlived its launcher"
+    finally:
+        if not _gone(pid, 0.1):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_service_whose_launcher_is_already_gone_exits_before_listening():
+    # The launcher named in the environment is not this child's parent: it died between fork and prctl.
+    proc = ServiceProcess("echo", ["--port", "0"], module="tests.helpers.echo_service",
+                          env={PARENT_PID_ENV: str(os.getpid() + 10_000_000)})
+    with proc:
+        with pytest.raises(RuntimeError, match="exited with -15 before listening"):
+            proc.wait_listening(60)

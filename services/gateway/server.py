@@ -38,6 +38,7 @@ from aiohttp import web
 import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
+from modalmesh.launcher import die_with_parent
 from modalmesh.service import ENV_PREFIX, _EnvDefaults
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
@@ -472,6 +473,7 @@ async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
 
 
 def main(argv=None) -> int:
+    die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

@@ -115,6 +115,7 @@ def _worker(rank: int, world_size: int, port: int, model_dir: str, device_type: 
                     model.compute_logits(hidden[step.rows])  # its all-gather needs every rank
     finally:
         distributed.destroy_tp()
+    distributed.exit_rank()
 
 
 class TPWorkers:

@@ -69,6 +69,9 @@ async def _main(port: int, grace: float) -> int:
 
 
 if __name__ == "__main__":
+    from modalmesh.launcher import die_with_parent
+
+    die_with_parent()
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--grace", type=float, default=10.0)
