@@ -71,8 +71,9 @@ SCHEMA: tuple[MetricSpec, ...] = (
     MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
     MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),
     # Embedding transfer between services.
-    MetricSpec("modalmesh_transfer_bytes_total", "counter", "Tensor bytes sent or received over gRPC.",
-               ("direction",)),
+    MetricSpec("modalmesh_transfer_bytes_total", "counter",
+               "Embedding bytes sent or received, by path: grpc (message bytes) or shared_memory (same host).",
+               ("direction", "path")),
     MetricSpec("modalmesh_transfer_seconds", "histogram", "Time to move one tensor payload.",
                ("direction",), _LATENCY),
     # Weights.

@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import io
 import math
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from modalmesh import pb, tiny
 from modalmesh.launcher import ServiceProcess
+from modalmesh.rpc.shm import shm_available
 
 COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu", "--grace-period", "30"]
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -165,6 +167,46 @@ def test_chat_request_with_image_parts(vl, vl_ref):
     assert got == vl_ref.generate(text, [image], 8)
 
 
+def transfer_bytes(proc, direction):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    out = {"grpc": 0.0, "shared_memory": 0.0}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "modalmesh_transfer_bytes_total" and s.labels.get("direction") == direction:
+                out[s.labels["path"]] += s.value
+    return out
+
+
+def leftover_shm():
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if p.name.startswith("modalmesh-emb-")} if shm.is_dir() else set()
+
+
+@pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+def test_co_located_embeddings_travel_through_shared_memory_and_bytes_when_off(vl, vl_ref):
+    model, vision, llm = vl
+    images = [png(84, 112, seed=31), png(56, 56, seed=32)]
+    text = f"{VISION} beside {VISION}: what changed?"
+    want = vl_ref.generate(text, images, 10)
+    before, sent_before, left_before = transfer_bytes(llm, "received"), transfer_bytes(vision, "sent"), leftover_shm()
+    assert generate(llm.target, text=text, items=image_items(images), sampling=greedy(10)) == want
+    after, sent_after = transfer_bytes(llm, "received"), transfer_bytes(vision, "sent")
+    # Both images came through /dev/shm (same host): no embedding bytes in messages, nothing left behind.
+    assert after["shared_memory"] > before["shared_memory"] and after["grpc"] == before["grpc"]
+    assert sent_after["shared_memory"] - sent_before["shared_memory"] == after["shared_memory"] - before["shared_memory"]
+    assert leftover_shm() - left_before == set()
+    # An LLM told not to offer the path gets the same embeddings as message bytes.
+    plain = start("llm", model, "--kv-cache-tokens", "4096", "--vision-encoder", vision.target,
+                  "--encoder-shared-memory", "off")
+    try:
+        plain.wait_serving(timeout=180)
+        assert generate(plain.target, text=text, items=image_items(images), sampling=greedy(10)) == want
+        got = transfer_bytes(plain, "received")
+        assert got["grpc"] == after["shared_memory"] - before["shared_memory"] and got["shared_memory"] == 0
+    finally:
+        assert stop_all(plain) == [0]
+
+
 def test_bad_image_fails_cleanly_and_names_the_item(vl):
     _, _, llm = vl
     with pytest.raises(grpc.RpcError) as err:
@@ -175,6 +217,14 @@ def test_bad_image_fails_cleanly_and_names_the_item(vl):
         generate(llm.target, text=AUDIO, items=[pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=b"x"))],
                  sampling=greedy(2))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes no AUDIO input" in err.value.details()
+    # A caller may not point the LLM at files under /dev/shm: only encoder answers it asked for may.
+    sneaky = pb.Embedding(embedding=pb.Tensor(dtype=pb.FLOAT32, shape=[1, 8], shared_memory=pb.SharedMemoryRef(
+        name="modalmesh-emb-" + "0" * 32, nbytes=32)), num_placeholder_tokens=1)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(llm.target, text=VISION, items=[pb.MultimodalItem(modality=pb.IMAGE, embedding=sneaky)],
+                 sampling=greedy(2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].embedding: a shared-memory reference is not accepted" in err.value.details()
     assert len(generate(llm.target, text="still serving", sampling=greedy(2))) == 2
 
 

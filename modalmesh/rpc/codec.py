@@ -64,6 +64,10 @@ def from_proto(
     copy: bool = False,
 ) -> torch.Tensor:
     """Decode a wire Tensor; malformed input raises InvalidArgument naming `name`."""
+    if message.HasField("shared_memory"):
+        # Only an answer to a request that offered the same-host path may point into /dev/shm
+        # (modalmesh.rpc.shm reads those); anywhere else it would let a caller name files here.
+        raise InvalidArgument(f"{name}: a shared-memory reference is not accepted here; send the bytes in data")
     dtype = TORCH_DTYPES.get(message.dtype)
     if dtype is None:
         raise InvalidArgument(

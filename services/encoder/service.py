@@ -19,6 +19,7 @@ from modalmesh import pb
 from modalmesh.errors import FailedPrecondition, InvalidArgument
 from modalmesh.rpc.codec import to_proto
 from modalmesh.rpc.server import MiB
+from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
 from services.encoder.cache import EmbeddingCache
@@ -46,6 +47,8 @@ class EncoderService(Service):
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
         self._pool = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
+        self.shm = (ShmExporter(ttl_s=args.shared_memory_ttl)
+                    if args.shared_memory_transfer == "auto" and shm_available() else None)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -58,6 +61,11 @@ class EncoderService(Service):
         parser.add_argument("--max-items-per-request", type=int, default=64)
         parser.add_argument("--cache-mb", type=int, default=256, help="embedding cache size (0 disables)")
         parser.add_argument("--preprocess-threads", type=int, default=4)
+        parser.add_argument("--shared-memory-transfer", choices=("auto", "off"), default="auto",
+                            help="auto: answer clients that prove they share this host's /dev/shm through shared "
+                                 "memory instead of message bytes; off: always bytes")
+        parser.add_argument("--shared-memory-ttl", type=float, default=120.0,
+                            help="seconds an unread shared-memory answer is kept before it is removed")
 
     # -- hooks for the vision / audio subclass ---------------------------------------------
     def build_model(self) -> EncoderModel:
@@ -86,6 +94,8 @@ class EncoderService(Service):
         if self.batcher is not None:
             await self.batcher.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.shm is not None:
+            self.shm.close()
 
     def info(self) -> pb.ServiceInfo:
         info = super().info()
@@ -155,10 +165,24 @@ class EncoderService(Service):
                     out[i] = message
         for i, j in repeats.items():
             out[i] = out[j]
+        nbytes = sum(len(e.embedding.data) for e in out)
+        path = "grpc"
+        if self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer):
+            out = await loop.run_in_executor(self._pool, self._export, out)
+            path = "shared_memory"
         response = pb.EncodeResponse(embeddings=out, model_id=self.model_id,
                                      weights_fingerprint=self.weights_fingerprint, modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        self.metrics.transfer_bytes_total.labels(direction="sent").inc(
-            sum(len(e.embedding.data) for e in response.embeddings))
+        self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
         return response
+
+    def _export(self, embeddings: list[pb.Embedding]) -> list[pb.Embedding]:
+        """Worker thread: the same answers with their bytes moved into shared memory (cache entries untouched)."""
+        out = []
+        for e in embeddings:
+            moved = pb.Embedding(grid_thw=e.grid_thw, num_placeholder_tokens=e.num_placeholder_tokens,
+                                 valid_length=e.valid_length, cache_hit=e.cache_hit)
+            moved.embedding.CopyFrom(self.shm.export(e.embedding))
+            out.append(moved)
+        return out

@@ -7,6 +7,12 @@ them. UNAVAILABLE (a replica that died or is draining) is retried on another
 replica while the deadline allows. Every answer is checked before it is
 spliced: it must come from the same checkpoint (weights fingerprint) and have
 the right modality; the splicer then checks width, dtype and row count.
+
+With a `ShmProbe`, each call offers the same-host path (modalmesh.rpc.shm): an
+encoder that shares this host's /dev/shm answers with shared-memory refs,
+read here off the event loop. A ref that cannot be read (another user, a
+removed object) turns the path off for that pool and the item is asked again
+as bytes.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import logging
 import time
 
 import grpc
+import torch
 
 from modalmesh import pb
 from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ModalmeshError, Unavailable
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
+from modalmesh.rpc.shm import ShmProbe, read_tensor
 
 log = logging.getLogger(__name__)
 
@@ -31,21 +39,29 @@ _MAX_ATTEMPTS = 4
 class EncoderPool:
     """One modality's encoder replicas behind one gRPC target."""
 
-    def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB):
+    def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB,
+                 probe: ShmProbe | None = None):
         self.modality = modality
         self.target = target
         self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
         self.stub = pb.encoder_pb2_grpc.EncoderServiceStub(self.channel)
+        self.probe = probe
 
-    async def encode_one(self, item: pb.EncodeItem, index: int, timeout: float) -> pb.EncodeResponse:
+    async def encode_one(self, item: pb.EncodeItem, index: int,
+                         timeout: float) -> tuple[pb.EncodeResponse, torch.Tensor | None]:
+        """The encoder's answer for one item, and its embedding when it came through shared memory."""
         deadline = time.monotonic() + timeout
-        for attempt in range(1, _MAX_ATTEMPTS + 1):
+        attempt = 0
+        while attempt < _MAX_ATTEMPTS:
+            attempt += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            request = pb.EncodeRequest(items=[item])
+            if self.probe is not None:
+                request.transfer.CopyFrom(self.probe.options())
             try:
-                return await self.stub.Encode(pb.EncodeRequest(items=[item]), timeout=remaining,
-                                              wait_for_ready=True)
+                reply = await self.stub.Encode(request, timeout=remaining, wait_for_ready=True)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
@@ -60,6 +76,22 @@ class EncoderPool:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Unavailable(f"items[{index}]: the encoder pool is overloaded: {detail}") from None
                 raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
+            shared = [e.embedding for e in reply.embeddings if e.embedding.HasField("shared_memory")]
+            if not shared:
+                return reply, None
+            if len(reply.embeddings) != 1:
+                return reply, None  # the fan-out refuses this answer for its count
+            try:
+                tensor = await asyncio.to_thread(read_tensor, shared[0], name=f"items[{index}].embedding")
+            except InvalidArgument as exc:
+                raise ModalmeshError(f"encoder {self.target} sent a bad shared-memory answer: {exc}") from None
+            except OSError as exc:
+                log.warning("encoder %s: shared-memory answer unreadable (%s); using message bytes from now on",
+                            self.target, exc)
+                self.probe = None
+                attempt -= 1  # not the replica's fault: ask again as bytes
+                continue
+            return reply, tensor
         raise DeadlineExceeded(f"items[{index}]: no encoder replica answered before the deadline")
 
     async def close(self) -> None:
@@ -68,18 +100,21 @@ class EncoderPool:
 
 class EncoderFanout:
     def __init__(self, pools: dict[int, EncoderPool], *, fingerprint: str, check_fingerprint: bool,
-                 default_timeout: float, metrics: Metrics):
+                 default_timeout: float, metrics: Metrics, probe: ShmProbe | None = None):
         self.pools = pools
+        self.probe = probe  # shared by the pools; removed on close
         self.fingerprint = fingerprint
         self.check_fingerprint = check_fingerprint
         self.default_timeout = default_timeout
         self.metrics = metrics
 
-    async def resolve(self, items: list[pb.MultimodalItem], timeout: float | None) -> list[pb.MultimodalItem]:
-        """Items with raw input replaced by their encoders' embeddings (the rest unchanged)."""
+    async def resolve(self, items: list[pb.MultimodalItem],
+                      timeout: float | None) -> tuple[list[pb.MultimodalItem], dict[int, torch.Tensor]]:
+        """Items with raw input replaced by their encoders' embeddings (the rest unchanged), and the
+        embeddings that came through shared memory, by item index (their messages carry no bytes)."""
         todo = [(i, item) for i, item in enumerate(items) if item.WhichOneof("source") == "input"]
         if not todo:
-            return items
+            return items, {}
         for i, item in todo:
             if item.modality not in self.pools:
                 flag = FLAGS.get(item.modality, "an encoder flag")
@@ -97,12 +132,19 @@ class EncoderFanout:
             raise
         self.metrics.transfer_seconds.labels(direction="received").observe(time.perf_counter() - started)
         out = list(items)
-        for (i, item), reply in zip(todo, replies):
+        decoded: dict[int, torch.Tensor] = {}
+        for (i, item), (reply, tensor) in zip(todo, replies):
             self._check(reply, item.modality, i)
             embedding = reply.embeddings[0]
-            self.metrics.transfer_bytes_total.labels(direction="received").inc(len(embedding.embedding.data))
+            if tensor is not None:
+                decoded[i] = tensor
+                self.metrics.transfer_bytes_total.labels(direction="received", path="shared_memory").inc(
+                    tensor.numel() * tensor.element_size())
+            else:
+                self.metrics.transfer_bytes_total.labels(direction="received", path="grpc").inc(
+                    len(embedding.embedding.data))
             out[i] = pb.MultimodalItem(modality=item.modality, embedding=embedding)
-        return out
+        return out, decoded
 
     def _check(self, reply: pb.EncodeResponse, modality: int, index: int) -> None:
         name = pb.Modality.Name(modality).lower()
@@ -120,3 +162,5 @@ class EncoderFanout:
 
     async def close(self) -> None:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
+        if self.probe is not None:
+            self.probe.close()

@@ -97,14 +97,15 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
     raise InvalidArgument("prompt: give text, token_ids or chat")
 
 
-def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int,
+               decoded: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
     if item.WhichOneof("source") != "embedding":  # raw input was encoded before splicing (encoders.py)
         raise InvalidArgument(f"items[{index}]: no embedding")
     message = item.embedding.embedding
     if message.dtype not in _FLOAT_WIRE:
         raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(message.dtype)} is not a float type "
                               "(FLOAT32, FLOAT16, BFLOAT16)")
-    tensor = from_proto(message, name=f"items[{index}].embedding")
+    tensor = decoded if decoded is not None else from_proto(message, name=f"items[{index}].embedding")
     if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
         raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
                               f"(rows, {hidden_size})")
@@ -126,8 +127,13 @@ def check_modalities(items: list[pb.MultimodalItem], cfg: ModelConfig) -> None:
 
 
 def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
-                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
-    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions."""
+                 *, uses_mrope: bool, spatial_merge: int = 2,
+                 decoded: dict[int, torch.Tensor] | None = None) -> PreparedPrompt:
+    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions.
+
+    `decoded` holds embeddings already read by the encoder fan-out (shared memory), by item index.
+    """
+    decoded = decoded or {}
     placeholders = placeholder_ids(cfg)
     check_modalities(items, cfg)
     runs: list[tuple[int, int, int]] = []  # (modality, start, length) in prompt order
@@ -153,7 +159,7 @@ def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfi
     next_run = {m: iter(by_modality[m]) for m in placeholders}
     pairs = []
     for i, item in enumerate(items):
-        emb, grid = _embedding(item, i, cfg.hidden_size)
+        emb, grid = _embedding(item, i, cfg.hidden_size, decoded.get(i))
         _, start, length = next(next_run[item.modality])
         rows = emb.shape[0]
         if length not in (1, rows):

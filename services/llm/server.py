@@ -19,6 +19,7 @@ from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.service import Service
 from modalmesh.rpc.server import MiB
+from modalmesh.rpc.shm import ShmProbe, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
 from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
@@ -78,6 +79,9 @@ class LLMService(Service):
                             help="seconds an Encode may take when the Generate call has no deadline")
         parser.add_argument("--allow-foreign-encoders", action="store_true",
                             help="accept embeddings from encoders of another checkpoint (width is still checked)")
+        parser.add_argument("--encoder-shared-memory", choices=("auto", "off"), default="auto",
+                            help="auto: take embeddings from encoders on this host through /dev/shm (negotiated per "
+                                 "call, bytes otherwise); off: always message bytes")
 
     def register(self, server) -> None:
         server.add_service(self.grpc_service, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server, LLMServicer(self))
@@ -87,12 +91,13 @@ class LLMService(Service):
         if self.model_dir is None:
             return
         await asyncio.to_thread(self._load)
-        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB)
-                 for modality, target in ((pb.IMAGE, self.args.vision_encoder), (pb.AUDIO, self.args.audio_encoder))
-                 if target}
+        targets = [(m, t) for m, t in ((pb.IMAGE, self.args.vision_encoder), (pb.AUDIO, self.args.audio_encoder)) if t]
+        probe = ShmProbe() if targets and self.args.encoder_shared_memory == "auto" and shm_available() else None
+        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB, probe=probe)
+                 for modality, target in targets}
         self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
                                     check_fingerprint=not self.args.allow_foreign_encoders,
-                                    default_timeout=self.args.encoder_timeout, metrics=self.metrics)
+                                    default_timeout=self.args.encoder_timeout, metrics=self.metrics, probe=probe)
         self.engine.start()
 
     def _load(self) -> None:
@@ -169,9 +174,9 @@ class LLMService(Service):
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size)
         ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
         check_modalities(items, cfg)
-        items = await self.fanout.resolve(items, timeout)
+        items, decoded = await self.fanout.resolve(items, timeout)
         prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
-                              spatial_merge=self.spatial_merge)
+                              spatial_merge=self.spatial_merge, decoded=decoded)
         for span in prompt.spans:
             span.embedding = span.embedding.to(self.device, self.dtype)
         loop = asyncio.get_running_loop()

@@ -30,6 +30,9 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         self.name = name
         self.encode_calls = 0
         self.refuse = False  # behave like a replica that lost its model: UNAVAILABLE
+        # Answers to requests that offer shared memory: None = bytes, an ShmExporter = through it,
+        # "gone" = a ref to an object that does not exist (a client that came too late).
+        self.shared_memory = None
 
     async def Encode(self, request, context):
         self.encode_calls += 1
@@ -45,7 +48,13 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         tensor = from_proto(request.items[0].pcm, name="items[0].pcm") if request.items else None
         reply = pb.EncodeResponse(model_id=self.name)
         if tensor is not None:
-            reply.embeddings.add(embedding=to_proto(tensor), num_placeholder_tokens=tensor.shape[0] if tensor.dim() else 1)
+            message = to_proto(tensor)
+            if request.HasField("transfer") and self.shared_memory == "gone":
+                message = pb.Tensor(dtype=message.dtype, shape=message.shape, shared_memory=pb.SharedMemoryRef(
+                    name="modalmesh-emb-" + "f" * 32, nbytes=len(message.data)))
+            elif request.HasField("transfer") and self.shared_memory is not None:
+                message = self.shared_memory.export(message)
+            reply.embeddings.add(embedding=message, num_placeholder_tokens=tensor.shape[0] if tensor.dim() else 1)
         return reply
 
     async def Info(self, request, context):

@@ -1,0 +1,185 @@
+"""Embedding transfer encoder -> LLM through the real services: GB/s by path, and its share of TTFT.
+
+    python bench/transfer.py                 # the device is CUDA when there is one, else the CPU
+    python bench/transfer.py --sizes 448 --repeat 5
+
+Starts one vision encoder and two LLM services (one offering the same-host shared-memory path,
+one told `--encoder-shared-memory off`) on a Qwen2-VL checkpoint whose layers are tiny but whose
+embeddings are Qwen2-VL-7B-sized: rows x 3584 in bf16, so a 448x448 image gives 256 rows (1.8 MB)
+and a 2688x2688 image 9216 rows (66 MB). For each image size:
+
+- transfer: Encode of an image the encoder has already cached (no model work), through the LLM's
+  own `EncoderPool` client, once as message bytes (the peer: Python gRPC on loopback) and once
+  through shared memory; GB/s = embedding bytes / call time (median of --repeat calls).
+- limit: one memcpy of the same bytes in this process.
+- TTFT: Generate(image + text, one output token) on each LLM, the image cached on the encoder,
+  and the transfer's share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from modalmesh import pb  # noqa: E402
+from modalmesh.launcher import ServiceProcess  # noqa: E402
+from modalmesh.rpc.shm import ShmProbe, shm_available  # noqa: E402
+
+HIDDEN = 3584  # Qwen2-VL-7B's LLM width: the width of every image embedding row
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def make_checkpoint(out: Path) -> Path:
+    """Tiny towers, Qwen2-VL-7B-wide embeddings (random weights, saved as transformers does)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from modalmesh import tiny
+
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    tok = tiny._qwen_tokenizer()
+    eot, im_end, vs, ve, img, vid = tiny._ids(tok, "<|endoftext|>", "<|im_end|>", "<|vision_start|>",
+                                             "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+    text = dict(vocab_size=tiny.VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=16384, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                bos_token_id=eot, eos_token_id=im_end)
+    vision = dict(depth=1, embed_dim=32, hidden_size=HIDDEN, num_heads=2, mlp_ratio=1, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=img, video_token_id=vid,
+                           vision_start_token_id=vs, vision_end_token_id=ve, tie_word_embeddings=False)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=2688 * 2688)
+    return tiny._save(model, tok, out, processor)
+
+
+def smooth_png(side: int) -> bytes:
+    """A gradient: a small upload, so the call time is the answer's (the embedding's)."""
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    pixels = np.stack([ramp[None, :].repeat(side, 0), ramp[:, None].repeat(side, 1),
+                       np.full((side, side), 128, np.float32)], axis=-1).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def time_encode(target: str, item: pb.EncodeItem, repeat: int, shared_memory: bool) -> tuple[float, int]:
+    """Median seconds of one cached Encode through the LLM's client, and the embedding's bytes."""
+    from services.llm.encoders import EncoderPool
+
+    probe = ShmProbe() if shared_memory else None
+    pool = EncoderPool(pb.IMAGE, target, probe=probe)
+    try:
+        times, nbytes = [], 0
+        for _ in range(repeat + 1):  # the first call warms the channel
+            start = time.perf_counter()
+            reply, tensor = await pool.encode_one(item, 0, timeout=600)
+            times.append(time.perf_counter() - start)
+            if shared_memory and tensor is None:
+                raise RuntimeError("the encoder did not take the shared-memory path: is /dev/shm shared?")
+            nbytes = tensor.numel() * tensor.element_size() if tensor is not None else len(reply.embeddings[0].embedding.data)
+        return statistics.median(times[1:]), nbytes
+    finally:
+        await pool.close()
+        if probe is not None:
+            probe.close()
+
+
+def memcpy_seconds(nbytes: int, repeat: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def ttft(target: str, item: pb.EncodeItem, repeat: int) -> float:
+    request = pb.GenerateRequest(text=f"{VISION} Describe.", sampling=pb.SamplingParams(temperature=0, max_tokens=1),
+                                 items=[pb.MultimodalItem(modality=pb.IMAGE, input=item)])
+    times = []
+    with grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20)]) as channel:
+        stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            for reply in stub.Generate(request, timeout=600):
+                if reply.token_ids:
+                    times.append(time.perf_counter() - start)
+                    break
+    return statistics.median(times[1:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="448,2688", help="image sides in pixels (multiples of 28)")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--checkpoint", default=None, help="where to make (or find) the checkpoint")
+    args = parser.parse_args()
+    if not shm_available():
+        print("no writable /dev/shm here: only the bytes path can be measured", file=sys.stderr)
+        return 1
+    ckpt = make_checkpoint(Path(args.checkpoint or Path(tempfile.gettempdir()) / "modalmesh-bench-transfer"))
+    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt),
+              "--device", args.device, "--dtype", "bfloat16"]
+    vision = ServiceProcess("vision_encoder", [*common, "--cache-mb", "2048", "--max-batch-tokens", "65536"]).start()
+    procs = [vision]
+    try:
+        vision.wait_listening(300)
+        llm_flags = [*common, "--vision-encoder", vision.target, "--kv-cache-tokens", "16384",
+                     "--max-model-len", "12000"]
+        fast = ServiceProcess("llm", llm_flags).start()
+        plain = ServiceProcess("llm", [*llm_flags, "--encoder-shared-memory", "off"]).start()
+        procs += [fast, plain]
+        for p in procs:
+            p.wait_serving(timeout=900)
+        rows = []
+        for side in (int(s) for s in args.sizes.split(",")):
+            item = pb.EncodeItem(data=smooth_png(side), max_pixels=side * side)
+            grpc_s, nbytes = asyncio.run(time_encode(vision.target, item, args.repeat, shared_memory=False))
+            shm_s, shm_bytes = asyncio.run(time_encode(vision.target, item, args.repeat, shared_memory=True))
+            assert shm_bytes == nbytes
+            copy_s = memcpy_seconds(nbytes, args.repeat)
+            fast_ttft, plain_ttft = ttft(fast.target, item, args.repeat), ttft(plain.target, item, args.repeat)
+            rows.append(dict(side=side, rows=nbytes // (HIDDEN * 2), mb=nbytes / 1e6,
+                             grpc_ms=grpc_s * 1e3, grpc_gb_s=nbytes / grpc_s / 1e9,
+                             shm_ms=shm_s * 1e3, shm_gb_s=nbytes / shm_s / 1e9,
+                             memcpy_gb_s=nbytes / copy_s / 1e9,
+                             ttft_shm_ms=fast_ttft * 1e3, shm_share_of_ttft=shm_s / fast_ttft,
+                             ttft_grpc_ms=plain_ttft * 1e3, grpc_share_of_ttft=grpc_s / plain_ttft))
+    finally:
+        for p in reversed(procs):
+            p.terminate(timeout=60)
+    print(json.dumps([{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows], indent=1))
+    print(f"\ndevice {args.device}; one image's embedding (rows x {HIDDEN} bf16), encoder cache hit, median of "
+          f"{args.repeat}")
+    print(f"{'image':>10} {'MB':>6} | {'gRPC bytes (peer)':>19} | {'shared memory (ours)':>22} | {'memcpy':>8} | "
+          f"{'TTFT ours':>9} {'share':>6} | {'TTFT peer':>9} {'share':>6}")
+    for r in rows:
+        print(f"{r['side']:>5}x{r['side']:<4} {r['mb']:6.1f} | {r['grpc_ms']:7.2f} ms {r['grpc_gb_s']:5.2f} GB/s | "
+              f"{r['shm_ms']:9.2f} ms {r['shm_gb_s']:6.2f} GB/s | {r['memcpy_gb_s']:5.1f} GB/s | "
+              f"{r['ttft_shm_ms']:6.1f} ms {r['shm_share_of_ttft']:6.1%} | {r['ttft_grpc_ms']:6.1f} ms "
+              f"{r['grpc_share_of_ttft']:6.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
