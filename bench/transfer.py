@@ -131,6 +131,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="448,2688", help="image sides in pixels (multiples of 28)")
     parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--ttft-repeat", type=int, default=3)
+    parser.add_argument("--ttft-max-side", type=int, default=1 << 30,
+                        help="skip TTFT for larger images (a CPU prefills 9k tokens slowly)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--checkpoint", default=None, help="where to make (or find) the checkpoint")
     args = parser.parse_args()
@@ -158,7 +161,10 @@ def main() -> int:
             shm_s, shm_bytes = asyncio.run(time_encode(vision.target, item, args.repeat, shared_memory=True))
             assert shm_bytes == nbytes
             copy_s = memcpy_seconds(nbytes, args.repeat)
-            fast_ttft, plain_ttft = ttft(fast.target, item, args.repeat), ttft(plain.target, item, args.repeat)
+            if side <= args.ttft_max_side:
+                fast_ttft, plain_ttft = ttft(fast.target, item, args.ttft_repeat), ttft(plain.target, item, args.ttft_repeat)
+            else:
+                fast_ttft = plain_ttft = float("nan")
             rows.append(dict(side=side, rows=nbytes // (HIDDEN * 2), mb=nbytes / 1e6,
                              grpc_ms=grpc_s * 1e3, grpc_gb_s=nbytes / grpc_s / 1e9,
                              shm_ms=shm_s * 1e3, shm_gb_s=nbytes / shm_s / 1e9,

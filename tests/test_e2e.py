@@ -177,9 +177,11 @@ def transfer_bytes(proc, direction):
     return out
 
 
-def leftover_shm():
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if p.name.startswith("modalmesh-emb-")} if shm.is_dir() else set()
+def slab_leases(proc):
+    """The lease word of every shared-memory slab the process has mapped (0 = handed back)."""
+    names = {line.split()[-1] for line in Path(f"/proc/{proc.proc.pid}/maps").read_text().splitlines()
+             if "/dev/shm/modalmesh-emb-" in line}
+    return {Path(n).name: int.from_bytes(Path(n).read_bytes()[:8], "little") for n in names}
 
 
 @pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
@@ -188,13 +190,14 @@ def test_co_located_embeddings_travel_through_shared_memory_and_bytes_when_off(v
     images = [png(84, 112, seed=31), png(56, 56, seed=32)]
     text = f"{VISION} beside {VISION}: what changed?"
     want = vl_ref.generate(text, images, 10)
-    before, sent_before, left_before = transfer_bytes(llm, "received"), transfer_bytes(vision, "sent"), leftover_shm()
+    before, sent_before = transfer_bytes(llm, "received"), transfer_bytes(vision, "sent")
     assert generate(llm.target, text=text, items=image_items(images), sampling=greedy(10)) == want
     after, sent_after = transfer_bytes(llm, "received"), transfer_bytes(vision, "sent")
-    # Both images came through /dev/shm (same host): no embedding bytes in messages, nothing left behind.
+    # Both images came through /dev/shm (same host): no embedding bytes in messages, every slab handed back.
     assert after["shared_memory"] > before["shared_memory"] and after["grpc"] == before["grpc"]
     assert sent_after["shared_memory"] - sent_before["shared_memory"] == after["shared_memory"] - before["shared_memory"]
-    assert leftover_shm() - left_before == set()
+    leases = slab_leases(vision)
+    assert leases and set(leases.values()) == {0}
     # An LLM told not to offer the path gets the same embeddings as message bytes.
     plain = start("llm", model, "--kv-cache-tokens", "4096", "--vision-encoder", vision.target,
                   "--encoder-shared-memory", "off")

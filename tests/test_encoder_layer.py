@@ -10,11 +10,11 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument, ResourceExhausted
 from modalmesh.metrics import Metrics
-from modalmesh.rpc.codec import from_proto, to_proto
+from modalmesh.rpc.codec import from_proto, to_payload, to_proto
 from modalmesh.rpc.server import GrpcServer, ServerConfig
 from modalmesh.service import build_parser
 from services.encoder.batcher import Batcher
-from services.encoder.cache import EmbeddingCache
+from services.encoder.cache import Answer, EmbeddingCache
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 from services.encoder.service import EncoderService
 
@@ -76,20 +76,26 @@ def _item(values):
 # -- cache --------------------------------------------------------------------------------------
 def test_cache_is_lru_bounded_in_bytes_and_reports_the_pool():
     metrics = Metrics("audio_encoder", process_metrics=False)
-    one = pb.Embedding(embedding=to_proto(torch.ones(4, 3)), num_placeholder_tokens=4)
-    size = len(one.SerializeToString())
+    tensor, payload = to_payload(torch.ones(4, 3))
+    one = Answer(pb.Embedding(embedding=tensor, num_placeholder_tokens=4), payload)
+    size = one.nbytes
+    assert size > len(payload) == 48
     cache = EmbeddingCache(2 * size + 1, bytes_per_row=12, metrics=metrics)
     cache.put(b"a", one)
     cache.put(b"b", one)
     assert cache.get(b"a") is not None  # a is now the most recent
     cache.put(b"c", one)  # evicts b
-    assert cache.get(b"b") is None and cache.get(b"c").cache_hit
+    hit = cache.get(b"c")
+    assert cache.get(b"b") is None and hit.meta.cache_hit and not one.meta.cache_hit
+    assert hit.payload is payload  # a hit shares the bytes, copies nothing
+    assert torch.equal(from_proto(hit.message().embedding), torch.ones(4, 3))
     assert cache.used_bytes == 2 * size and cache.used_rows == 8
     get = metrics.registry.get_sample_value
     labels = {"service": "audio_encoder", "pool": "embedding_cache"}
     assert get("modalmesh_kv_pool_used_tokens", labels) == 8
     assert get("modalmesh_cache_hits_total", labels) == 2 and get("modalmesh_cache_misses_total", labels) == 1
-    huge = pb.Embedding(embedding=to_proto(torch.ones(100, 3)), num_placeholder_tokens=100)
+    tensor, payload = to_payload(torch.ones(100, 3))
+    huge = Answer(pb.Embedding(embedding=tensor, num_placeholder_tokens=100), payload)
     cache.put(b"huge", huge)  # bigger than the cache: not stored, nothing evicted
     assert len(cache) == 2
 

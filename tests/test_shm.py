@@ -2,50 +2,79 @@
 
 import asyncio
 import os
-import time
 
 import pytest
 import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import from_proto, to_proto
-from modalmesh.rpc.shm import SHM_DIR, ShmExporter, ShmProbe, read_tensor, shm_available
+from modalmesh.rpc.codec import from_proto, to_payload, to_proto
+from modalmesh.rpc.shm import (HEADER, SHM_DIR, SharedMemoryGone, ShmExporter, ShmProbe, ShmReader, read_tensor,
+                                shm_available)
 
 
 def objects(directory, prefix="modalmesh-emb-"):
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(prefix))
 
 
+def lease_word(directory, name):
+    return int.from_bytes((directory / name).read_bytes()[:8], "little")
+
+
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (256, 48)), (torch.float32, (3, 5)),
                                          (torch.float16, (0, 8)), (torch.int64, (7,))])
-def test_export_then_read_gives_the_same_tensor_and_leaves_nothing(tmp_path, dtype, shape):
+def test_export_then_read_gives_the_same_tensor_and_hands_the_slab_back(tmp_path, dtype, shape):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=g) * 100).to(dtype)
     exporter = ShmExporter(directory=tmp_path)
-    message = exporter.export(to_proto(x))
+    message = exporter.export(*to_payload(x))
+    ref = message.shared_memory
     assert message.data == b"" and message.HasField("shared_memory")
-    assert message.shared_memory.nbytes == x.numel() * x.element_size()
-    assert objects(tmp_path) == [message.shared_memory.name]
+    assert ref.nbytes == x.numel() * x.element_size() and ref.offset == HEADER and ref.lease != 0
+    assert objects(tmp_path) == [ref.name] and lease_word(tmp_path, ref.name) == ref.lease
     got = read_tensor(message, directory=tmp_path)
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, x)
-    assert objects(tmp_path) == []  # the reader took it
-    assert exporter.sweep(now=float("inf")) == 0  # nothing left for the janitor
-
-
-def test_unread_objects_are_removed_after_the_ttl_and_on_close(tmp_path):
-    exporter = ShmExporter(ttl_s=30.0, directory=tmp_path)
-    early = exporter.export(to_proto(torch.ones(4)))
-    assert exporter.sweep() == 0  # not expired yet
-    assert objects(tmp_path) == [early.shared_memory.name]
-    assert exporter.sweep(now=time.monotonic() + 31) == 1
-    assert objects(tmp_path) == []
-    with pytest.raises(FileNotFoundError):  # the client came too late: it falls back to bytes
-        read_tensor(early, directory=tmp_path)
-    exporter.export(to_proto(torch.ones(4)))
-    exporter.export(to_proto(torch.zeros(2)))
+    assert lease_word(tmp_path, ref.name) == 0  # handed back
+    with pytest.raises(SharedMemoryGone):  # a second read of the same answer is refused
+        read_tensor(message, directory=tmp_path)
+    y = torch.full(shape, 3).to(dtype)
+    again = exporter.export(*to_payload(y))
+    assert again.shared_memory.name == ref.name and again.shared_memory.lease != ref.lease  # the slab is reused
+    assert torch.equal(read_tensor(again, directory=tmp_path), y)
     exporter.close()
+    assert objects(tmp_path) == []
+
+
+def test_slabs_grow_by_size_class_and_stay_within_the_limit(tmp_path):
+    exporter = ShmExporter(directory=tmp_path, max_bytes=4 << 20)
+    small = [exporter.export(*to_payload(torch.zeros(1000))) for _ in range(2)]  # unreturned: two 1 MiB slabs
+    assert len({m.shared_memory.name for m in small}) == 2 and exporter.slab_bytes == 2 << 20
+    big = torch.arange((3 << 20) // 4, dtype=torch.float32)  # 3 MiB + header does not fit next to them
+    assert exporter.export(*to_payload(big)) is None  # full: this answer goes as bytes
+    read_tensor(small[0], directory=tmp_path)
+    read_tensor(small[1], directory=tmp_path)
+    moved = exporter.export(*to_payload(big))  # free slabs too small to use made room
+    assert moved is not None and exporter.slab_bytes <= 4 << 20
+    assert os.path.getsize(tmp_path / moved.shared_memory.name) >= HEADER + big.numel() * 4
+    assert torch.equal(read_tensor(moved, directory=tmp_path), big)
+    exporter.close()
+
+
+def test_an_unreturned_slab_is_taken_back_after_the_ttl_and_its_late_reader_is_refused(tmp_path):
+    patient = ShmExporter(directory=tmp_path, ttl_s=600)
+    first = patient.export(*to_payload(torch.ones(4)))
+    second = patient.export(*to_payload(torch.ones(4)))
+    assert first.shared_memory.name != second.shared_memory.name  # still leased: a new slab
+    patient.close()
+    hasty = ShmExporter(directory=tmp_path, ttl_s=0)
+    early = hasty.export(*to_payload(torch.ones(4)))
+    late = hasty.export(*to_payload(torch.zeros(4)))
+    assert late.shared_memory.name == early.shared_memory.name  # taken back at once
+    with pytest.raises(SharedMemoryGone, match="holds other content now"):
+        read_tensor(early, directory=tmp_path)
+    assert torch.equal(read_tensor(late, directory=tmp_path), torch.zeros(4))
+    hasty.close()
     assert objects(tmp_path) == []
 
 
@@ -79,20 +108,31 @@ def test_peer_shares_is_cached_per_probe(tmp_path):
 
 def test_read_refuses_malformed_refs(tmp_path):
     exporter = ShmExporter(directory=tmp_path)
-    good = exporter.export(to_proto(torch.arange(6, dtype=torch.float32)))
-    (tmp_path / "passwd").write_bytes(bytes(24))
-    bad_name = pb.Tensor(dtype=pb.FLOAT32, shape=[6], shared_memory=pb.SharedMemoryRef(name="../passwd", nbytes=24))
+    good = exporter.export(*to_payload(torch.arange(6, dtype=torch.float32)))
+    ref = good.shared_memory
+    (tmp_path / "passwd").write_bytes(bytes(1 << 20))
+
+    def variant(**changes):
+        fields = dict(name=ref.name, nbytes=ref.nbytes, offset=ref.offset, lease=ref.lease)
+        shape = changes.pop("shape", [6])
+        fields.update(changes)
+        return pb.Tensor(dtype=pb.FLOAT32, shape=shape, shared_memory=pb.SharedMemoryRef(**fields))
+
     with pytest.raises(InvalidArgument, match="not one modalmesh writes"):
-        read_tensor(bad_name, directory=tmp_path)
-    wrong_count = pb.Tensor(dtype=pb.FLOAT32, shape=[5], shared_memory=good.shared_memory)
+        read_tensor(variant(name="../passwd"), directory=tmp_path)
     with pytest.raises(InvalidArgument, match="holds 24 bytes but shape \\[5\\]"):
-        read_tensor(wrong_count, directory=tmp_path)
-    lying = pb.Tensor(dtype=pb.FLOAT32, shape=[3, 2],
-                      shared_memory=pb.SharedMemoryRef(name=good.shared_memory.name, nbytes=24))
-    os.truncate(tmp_path / good.shared_memory.name, 8)
-    with pytest.raises(InvalidArgument, match="has 8 bytes, expected 24"):
-        read_tensor(lying, directory=tmp_path)
-    assert objects(tmp_path) == []  # a bad object is removed all the same
+        read_tensor(variant(shape=[5]), directory=tmp_path)
+    with pytest.raises(InvalidArgument, match="offset 0"):
+        read_tensor(variant(offset=0), directory=tmp_path)  # would read the lease word as data
+    with pytest.raises(InvalidArgument, match="lease 0"):
+        read_tensor(variant(lease=0), directory=tmp_path)
+    with pytest.raises(InvalidArgument, match="the ref needs"):
+        read_tensor(variant(offset=1 << 21), directory=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        read_tensor(variant(name="modalmesh-emb-" + "e" * 32), directory=tmp_path)
+    assert lease_word(tmp_path, ref.name) == ref.lease  # none of that handed the slab back
+    assert torch.equal(read_tensor(good, directory=tmp_path), torch.arange(6, dtype=torch.float32))
+    exporter.close()
 
 
 def test_the_codec_refuses_shared_memory_refs_where_none_was_offered():
@@ -109,13 +149,14 @@ def test_the_real_dev_shm_round_trip():
     try:
         assert exporter.peer_shares(probe.options())
         x = torch.randn(64, 32).to(torch.bfloat16)
-        message = exporter.export(to_proto(x))
-        assert (SHM_DIR / message.shared_memory.name).exists()
+        message = exporter.export(*to_payload(x))
+        assert lease_word(SHM_DIR, message.shared_memory.name) == message.shared_memory.lease
         assert torch.equal(read_tensor(message), x)
-        assert not (SHM_DIR / message.shared_memory.name).exists()
+        assert lease_word(SHM_DIR, message.shared_memory.name) == 0
     finally:
         probe.close()
         exporter.close()
+    assert not (SHM_DIR / message.shared_memory.name).exists()
 
 
 # ---- the LLM's encoder pool against a real gRPC encoder ------------------------------------------
@@ -125,19 +166,21 @@ def _pool_round_trip(mode):
 
     async def body():
         server, servicer = build()
-        servicer.shared_memory = ShmExporter() if mode == "export" else mode
+        exporter = ShmExporter()
+        servicer.shared_memory = {"export": exporter, "stale": ("stale", exporter)}.get(mode, mode)
         port = await server.start()
         probe = ShmProbe()
         pool = EncoderPool(pb.IMAGE, f"127.0.0.1:{port}", probe=probe)
         x = torch.randn(5, 8)
         try:
             reply, tensor = await pool.encode_one(pb.EncodeItem(pcm=to_proto(x)), 3, timeout=30)
+            if mode == "stale":  # the next item is offered shared memory again
+                await pool.encode_one(pb.EncodeItem(pcm=to_proto(x)), 4, timeout=30)
             return x, reply, tensor, servicer.encode_calls, pool.probe
         finally:
             await pool.close()
             probe.close()
-            if mode == "export":
-                servicer.shared_memory.close()
+            exporter.close()
             await server.stop(0)
 
     return asyncio.run(asyncio.wait_for(body(), timeout=60))
@@ -155,3 +198,34 @@ def test_an_unreadable_shared_memory_answer_falls_back_to_bytes_for_good():
     x, reply, tensor, calls, probe = _pool_round_trip("gone")
     assert calls == 2 and tensor is None and probe is None  # asked again without the offer, and stops offering
     assert torch.equal(from_proto(reply.embeddings[0].embedding), x)
+
+
+@pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+def test_a_stale_shared_memory_answer_is_asked_again_as_bytes_and_the_path_stays_on():
+    x, reply, tensor, calls, probe = _pool_round_trip("stale")
+    # Each item: the stale answer, then bytes. The second item was offered shared memory again (else 3 calls).
+    assert calls == 4 and tensor is None and probe is not None
+    assert torch.equal(from_proto(reply.embeddings[0].embedding), x)
+
+
+def test_a_reader_keeps_recent_slabs_mapped_within_its_limit(tmp_path):
+    exporter = ShmExporter(directory=tmp_path)
+    reader = ShmReader(tmp_path, max_mapped_bytes=2 << 20)
+    first = exporter.export(*to_payload(torch.ones(8)))
+    assert torch.equal(reader.read(first), torch.ones(8))
+    os.unlink(tmp_path / first.shared_memory.name)  # only the cached mapping can reach it now
+    second = exporter.export(*to_payload(torch.full((8,), 2.0)))
+    assert second.shared_memory.name == first.shared_memory.name
+    assert torch.equal(reader.read(second), torch.full((8,), 2.0))  # through the mapping it kept
+    exporter.close()
+    others = [ShmExporter(directory=tmp_path) for _ in range(2)]  # two more 1 MiB slabs: the oldest ages out
+    for i, other in enumerate(others):
+        assert torch.equal(reader.read(other.export(*to_payload(torch.full((4,), float(i))))), torch.full((4,), float(i)))
+    third = exporter.export(*to_payload(torch.ones(8)))  # a new slab (the exporter was closed): fine
+    assert torch.equal(reader.read(third), torch.ones(8))
+    with pytest.raises(FileNotFoundError):  # the unlinked slab is no longer mapped here
+        reader.read(pb.Tensor(dtype=pb.FLOAT32, shape=[8], shared_memory=second.shared_memory))
+    for other in others:
+        other.close()
+    exporter.close()
+    reader.close()

@@ -43,8 +43,14 @@ def dtype_name(wire_dtype: int) -> str:
         return str(wire_dtype)
 
 
-def to_proto(tensor: torch.Tensor) -> pb.Tensor:
-    """Encode a tensor (any device, any strides) as a wire Tensor."""
+def payload_nbytes(message: pb.Tensor) -> int:
+    """The element bytes `message` describes (shape x itemsize), without touching `data` (reading it copies)."""
+    dtype = TORCH_DTYPES.get(message.dtype)
+    return 0 if dtype is None else math.prod(message.shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def to_payload(tensor: torch.Tensor) -> tuple[pb.Tensor, bytes]:
+    """A wire Tensor without its bytes (dtype, shape), and the bytes: one copy off the tensor."""
     wire = WIRE_DTYPES.get(tensor.dtype)
     if wire is None:
         raise InvalidArgument(
@@ -53,7 +59,14 @@ def to_proto(tensor: torch.Tensor) -> pb.Tensor:
         )
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return pb.Tensor(dtype=wire, shape=list(tensor.shape), data=data)
+    return pb.Tensor(dtype=wire, shape=list(tensor.shape)), data
+
+
+def to_proto(tensor: torch.Tensor) -> pb.Tensor:
+    """Encode a tensor (any device, any strides) as a wire Tensor."""
+    meta, data = to_payload(tensor)
+    meta.data = data
+    return meta
 
 
 def from_proto(

@@ -1,8 +1,9 @@
 """An LRU cache of finished embeddings, bounded in bytes.
 
 Keys are the model's cache keys (content hash + preprocessing parameters); values
-are the serialised `Embedding` messages, so a hit returns the very bytes a miss
-produced and costs no re-encoding. It reports under the shared pool schema
+are `Answer`s (the Embedding without its bytes, and the bytes), so a hit returns
+the very bytes a miss produced, costs no re-encoding and copies nothing: the
+bytes object is immutable and shared. It reports under the shared pool schema
 (pool="embedding_cache"): capacity and used rows, bytes, hits and misses.
 """
 
@@ -11,10 +12,31 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from dataclasses import dataclass
+
 from modalmesh import pb
 from modalmesh.metrics import Metrics
 
 POOL = "embedding_cache"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One item's answer before it goes on the wire: the Embedding without its tensor bytes, and the bytes."""
+
+    meta: pb.Embedding  # meta.embedding has dtype and shape, no data
+    payload: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload) + self.meta.ByteSize()
+
+    def message(self) -> pb.Embedding:
+        """The Embedding with its bytes inline (one copy into the message)."""
+        out = pb.Embedding()
+        out.CopyFrom(self.meta)
+        out.embedding.data = self.payload
+        return out
 
 
 class EmbeddingCache:
@@ -22,7 +44,7 @@ class EmbeddingCache:
         self.capacity_bytes = max(0, int(capacity_bytes))
         self.bytes_per_row = max(1, int(bytes_per_row))
         self.metrics = metrics
-        self._entries: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()  # key -> (message bytes, rows)
+        self._entries: OrderedDict[bytes, Answer] = OrderedDict()
         self._bytes = 0
         self._rows = 0
         self._lock = threading.Lock()
@@ -39,7 +61,7 @@ class EmbeddingCache:
     def used_rows(self) -> int:
         return self._rows
 
-    def get(self, key: bytes) -> pb.Embedding | None:
+    def get(self, key: bytes) -> Answer | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -48,27 +70,27 @@ class EmbeddingCache:
             (self.metrics.cache_hits_total if entry else self.metrics.cache_misses_total).labels(pool=POOL).inc()
         if entry is None:
             return None
-        message = pb.Embedding.FromString(entry[0])
-        message.cache_hit = True
-        return message
+        meta = pb.Embedding()
+        meta.CopyFrom(entry.meta)  # small: no tensor bytes in it
+        meta.cache_hit = True
+        return Answer(meta, entry.payload)
 
-    def put(self, key: bytes, message: pb.Embedding) -> None:
-        data = message.SerializeToString()
-        if len(data) > self.capacity_bytes:
+    def put(self, key: bytes, answer: Answer) -> None:
+        size = answer.nbytes
+        if size > self.capacity_bytes:
             return  # larger than the whole cache: not worth evicting everything for
-        rows = message.num_placeholder_tokens
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= len(old[0])
-                self._rows -= old[1]
-            while self._entries and self._bytes + len(data) > self.capacity_bytes:
-                _, (evicted, evicted_rows) = self._entries.popitem(last=False)
-                self._bytes -= len(evicted)
-                self._rows -= evicted_rows
-            self._entries[key] = (data, rows)
-            self._bytes += len(data)
-            self._rows += rows
+                self._bytes -= old.nbytes
+                self._rows -= old.meta.num_placeholder_tokens
+            while self._entries and self._bytes + size > self.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self._rows -= evicted.meta.num_placeholder_tokens
+            self._entries[key] = answer
+            self._bytes += size
+            self._rows += answer.meta.num_placeholder_tokens
         self._publish()
 
     def _publish(self) -> None:

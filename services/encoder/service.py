@@ -17,13 +17,16 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import FailedPrecondition, InvalidArgument
-from modalmesh.rpc.codec import to_proto
+from modalmesh.rpc.codec import payload_nbytes, to_payload
 from modalmesh.rpc.server import MiB
 from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
-from services.encoder.cache import EmbeddingCache
+from services.encoder.cache import Answer, EmbeddingCache
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+
+
+_INLINE_BYTES = 4 << 20  # answers this small are put on the wire on the event loop
 
 
 class EncoderServicer(pb.encoder_pb2_grpc.EncoderServiceServicer):
@@ -47,7 +50,7 @@ class EncoderService(Service):
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
         self._pool = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
-        self.shm = (ShmExporter(ttl_s=args.shared_memory_ttl)
+        self.shm = (ShmExporter(ttl_s=args.shared_memory_ttl, max_bytes=args.shared_memory_mb * MiB)
                     if args.shared_memory_transfer == "auto" and shm_available() else None)
 
     @classmethod
@@ -64,8 +67,10 @@ class EncoderService(Service):
         parser.add_argument("--shared-memory-transfer", choices=("auto", "off"), default="auto",
                             help="auto: answer clients that prove they share this host's /dev/shm through shared "
                                  "memory instead of message bytes; off: always bytes")
+        parser.add_argument("--shared-memory-mb", type=int, default=1024,
+                            help="most /dev/shm the answers may hold at once (beyond it they go as bytes)")
         parser.add_argument("--shared-memory-ttl", type=float, default=120.0,
-                            help="seconds an unread shared-memory answer is kept before it is removed")
+                            help="seconds a shared-memory answer is kept for its reader before the slab is reused")
 
     # -- hooks for the vision / audio subclass ---------------------------------------------
     def build_model(self) -> EncoderModel:
@@ -108,15 +113,17 @@ class EncoderService(Service):
         return info
 
     # -- Encode -----------------------------------------------------------------------------
-    def _encode_batch(self, batch: list[PreparedItem]) -> list[pb.Embedding]:
-        """Worker thread: one model call, then the protos (tensor bytes copied off the device here)."""
+    def _encode_batch(self, batch: list[PreparedItem]) -> list[Answer]:
+        """Worker thread: one model call, then the answers (tensor bytes copied off the device here)."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
-        return [
-            pb.Embedding(embedding=to_proto(r.embedding), grid_thw=list(r.grid_thw),
-                         num_placeholder_tokens=int(r.embedding.shape[0]), valid_length=int(r.valid_length))
-            for r in results
-        ]
+        answers = []
+        for r in results:
+            tensor, payload = to_payload(r.embedding)
+            meta = pb.Embedding(embedding=tensor, grid_thw=list(r.grid_thw),
+                                num_placeholder_tokens=int(r.embedding.shape[0]), valid_length=int(r.valid_length))
+            answers.append(Answer(meta, payload))
+        return answers
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse:
         if self.model is None:
@@ -130,7 +137,7 @@ class EncoderService(Service):
         keys = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
         )
-        out: list[pb.Embedding | None] = [None] * n
+        out: list[Answer | None] = [None] * n
         first: dict[bytes, int] = {}  # key -> first index: repeats of known content are prepared once
         repeats: dict[int, int] = {}
         for i, key in enumerate(keys):
@@ -159,30 +166,37 @@ class EncoderService(Service):
                 by_key[p.cache_key] = p
         if misses:
             encoded = await self.batcher.submit([by_key[key] for key in misses])
-            for (key, indices), message in zip(misses.items(), encoded):
-                self.cache.put(key, message)
+            for (key, indices), answer in zip(misses.items(), encoded):
+                self.cache.put(key, answer)
                 for i in indices:
-                    out[i] = message
+                    out[i] = answer
         for i, j in repeats.items():
             out[i] = out[j]
-        nbytes = sum(len(e.embedding.data) for e in out)
-        path = "grpc"
-        if self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer):
-            out = await loop.run_in_executor(self._pool, self._export, out)
-            path = "shared_memory"
-        response = pb.EncodeResponse(embeddings=out, model_id=self.model_id,
-                                     weights_fingerprint=self.weights_fingerprint, modality=self.modality)
+        shared = self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer)
+        response = pb.EncodeResponse(model_id=self.model_id, weights_fingerprint=self.weights_fingerprint,
+                                     modality=self.modality)
+        if sum(len(a.payload) for a in out) <= _INLINE_BYTES:
+            self._wire(response, out, shared)  # a thread hop would cost more than the copies
+        else:
+            await loop.run_in_executor(self._pool, self._wire, response, out, shared)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
+        sent = {"grpc": 0, "shared_memory": 0}
+        for e in response.embeddings:
+            sent["shared_memory" if e.embedding.HasField("shared_memory") else "grpc"] += payload_nbytes(e.embedding)
+        for path, nbytes in sent.items():
+            if nbytes:
+                self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
         return response
 
-    def _export(self, embeddings: list[pb.Embedding]) -> list[pb.Embedding]:
-        """Worker thread: the same answers with their bytes moved into shared memory (cache entries untouched)."""
-        out = []
-        for e in embeddings:
-            moved = pb.Embedding(grid_thw=e.grid_thw, num_placeholder_tokens=e.num_placeholder_tokens,
-                                 valid_length=e.valid_length, cache_hit=e.cache_hit)
-            moved.embedding.CopyFrom(self.shm.export(e.embedding))
-            out.append(moved)
-        return out
+    def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> None:
+        """Worker thread: the answers into `response`, their bytes in shared memory when the client shares
+        this host and the slabs have room, else inline (one copy either way)."""
+        for a in answers:
+            ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
+            e = response.embeddings.add()
+            e.CopyFrom(a.meta)
+            if ref is None:
+                e.embedding.data = a.payload
+            else:
+                e.embedding.CopyFrom(ref)

@@ -28,37 +28,43 @@ from modalmesh import pb
 from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ModalmeshError, Unavailable
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
-from modalmesh.rpc.shm import ShmProbe, read_tensor
+from modalmesh.rpc.codec import payload_nbytes
+from modalmesh.rpc.shm import SharedMemoryGone, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
 
 FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}
 _MAX_ATTEMPTS = 4
+_INLINE_BYTES = 4 << 20  # shared-memory answers this small are copied out on the event loop
 
 
 class EncoderPool:
     """One modality's encoder replicas behind one gRPC target."""
 
     def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB,
-                 probe: ShmProbe | None = None):
+                 probe: ShmProbe | None = None, reader: ShmReader | None = None,
+                 device: torch.device | None = None):
         self.modality = modality
+        self.device = device  # where embeddings read from shared memory go (the LLM's device)
         self.target = target
         self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
         self.stub = pb.encoder_pb2_grpc.EncoderServiceStub(self.channel)
         self.probe = probe
+        self.reader = reader if reader is not None else ShmReader()
 
     async def encode_one(self, item: pb.EncodeItem, index: int,
                          timeout: float) -> tuple[pb.EncodeResponse, torch.Tensor | None]:
         """The encoder's answer for one item, and its embedding when it came through shared memory."""
         deadline = time.monotonic() + timeout
         attempt = 0
+        offer = True  # off for this item after a shared-memory answer went stale
         while attempt < _MAX_ATTEMPTS:
             attempt += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             request = pb.EncodeRequest(items=[item])
-            if self.probe is not None:
+            if offer and self.probe is not None:
                 request.transfer.CopyFrom(self.probe.options())
             try:
                 reply = await self.stub.Encode(request, timeout=remaining, wait_for_ready=True)
@@ -76,15 +82,21 @@ class EncoderPool:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Unavailable(f"items[{index}]: the encoder pool is overloaded: {detail}") from None
                 raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
-            shared = [e.embedding for e in reply.embeddings if e.embedding.HasField("shared_memory")]
-            if not shared:
-                return reply, None
-            if len(reply.embeddings) != 1:
-                return reply, None  # the fan-out refuses this answer for its count
+            if len(reply.embeddings) != 1 or not reply.embeddings[0].embedding.HasField("shared_memory"):
+                return reply, None  # bytes (or a count the fan-out refuses)
             try:
-                tensor = await asyncio.to_thread(read_tensor, shared[0], name=f"items[{index}].embedding")
+                message, where = reply.embeddings[0].embedding, f"items[{index}].embedding"
+                if message.shared_memory.nbytes <= _INLINE_BYTES:  # a thread hop would cost more than the copy
+                    tensor = self.reader.read(message, name=where, device=self.device)
+                else:
+                    tensor = await asyncio.to_thread(self.reader.read, message, name=where, device=self.device)
             except InvalidArgument as exc:
                 raise ModalmeshError(f"encoder {self.target} sent a bad shared-memory answer: {exc}") from None
+            except SharedMemoryGone as exc:
+                log.warning("encoder %s: %s; asking again for bytes", self.target, exc)
+                offer = False
+                attempt -= 1
+                continue
             except OSError as exc:
                 log.warning("encoder %s: shared-memory answer unreadable (%s); using message bytes from now on",
                             self.target, exc)
@@ -96,6 +108,7 @@ class EncoderPool:
 
     async def close(self) -> None:
         await self.channel.close()
+        self.reader.close()
 
 
 class EncoderFanout:
@@ -142,7 +155,7 @@ class EncoderFanout:
                     tensor.numel() * tensor.element_size())
             else:
                 self.metrics.transfer_bytes_total.labels(direction="received", path="grpc").inc(
-                    len(embedding.embedding.data))
+                    payload_nbytes(embedding.embedding))
             out[i] = pb.MultimodalItem(modality=item.modality, embedding=embedding)
         return out, decoded
 

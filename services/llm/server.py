@@ -19,7 +19,7 @@ from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.service import Service
 from modalmesh.rpc.server import MiB
-from modalmesh.rpc.shm import ShmProbe, shm_available
+from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
 from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
@@ -93,7 +93,9 @@ class LLMService(Service):
         await asyncio.to_thread(self._load)
         targets = [(m, t) for m, t in ((pb.IMAGE, self.args.vision_encoder), (pb.AUDIO, self.args.audio_encoder)) if t]
         probe = ShmProbe() if targets and self.args.encoder_shared_memory == "auto" and shm_available() else None
-        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB, probe=probe)
+        reader = ShmReader() if probe is not None else None
+        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB, probe=probe,
+                                       reader=reader, device=self.device)
                  for modality, target in targets}
         self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
                                     check_fingerprint=not self.args.allow_foreign_encoders,

@@ -31,7 +31,8 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         self.encode_calls = 0
         self.refuse = False  # behave like a replica that lost its model: UNAVAILABLE
         # Answers to requests that offer shared memory: None = bytes, an ShmExporter = through it,
-        # "gone" = a ref to an object that does not exist (a client that came too late).
+        # "gone" = a ref to an object that does not exist, ("stale", ShmExporter) = a ref whose slab
+        # holds other content by the time the client reads it.
         self.shared_memory = None
 
     async def Encode(self, request, context):
@@ -51,9 +52,12 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
             message = to_proto(tensor)
             if request.HasField("transfer") and self.shared_memory == "gone":
                 message = pb.Tensor(dtype=message.dtype, shape=message.shape, shared_memory=pb.SharedMemoryRef(
-                    name="modalmesh-emb-" + "f" * 32, nbytes=len(message.data)))
+                    name="modalmesh-emb-" + "f" * 32, nbytes=len(message.data), offset=64, lease=1))
+            elif request.HasField("transfer") and isinstance(self.shared_memory, tuple):  # ("stale", exporter)
+                message = self.shared_memory[1].export(message, message.data)
+                message.shared_memory.lease ^= 1  # as if the slab had been taken back before the read
             elif request.HasField("transfer") and self.shared_memory is not None:
-                message = self.shared_memory.export(message)
+                message = self.shared_memory.export(message, message.data)
             reply.embeddings.add(embedding=message, num_placeholder_tokens=tensor.shape[0] if tensor.dim() else 1)
         return reply
 
