@@ -287,6 +287,9 @@ def test_llm_fans_out_over_the_scaled_pool(stack):
     assert len(ips) == 2
     llm = stack.published("llm", 50051)
     before = _encode_counts(stack)
+    llm_ip = stack.ips("llm")[0]
+    received = {path: _metric(llm_ip, "modalmesh_transfer_bytes_total", direction="received", path=path)
+                for path in ("grpc", "shared_memory")}
     for seed in range(4):
         items = [pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=_png(100 + 2 * seed + k)))
                  for k in range(2)]
@@ -297,6 +300,10 @@ def test_llm_fans_out_over_the_scaled_pool(stack):
     after = _encode_counts(stack)
     served = {ip: after[ip] - before.get(ip, 0.0) for ip in ips}
     assert sum(served.values()) == 8 and all(n >= 1 for n in served.values()), served
+    # ipc: host shares /dev/shm between the containers: every embedding came through shared memory.
+    assert _metric(llm_ip, "modalmesh_transfer_bytes_total", direction="received", path="shared_memory") > \
+        received["shared_memory"]
+    assert _metric(llm_ip, "modalmesh_transfer_bytes_total", direction="received", path="grpc") == received["grpc"]
 
 
 def test_cli_and_gateway_from_the_host(stack, tmp_path):
