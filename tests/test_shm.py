@@ -229,3 +229,15 @@ def test_a_reader_keeps_recent_slabs_mapped_within_its_limit(tmp_path):
         other.close()
     exporter.close()
     reader.close()
+
+
+def test_a_full_dev_shm_means_bytes_not_a_crash(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    exporter = ShmExporter(directory=tmp_path)
+    assert exporter.export(*to_payload(torch.ones(4))) is None
+    assert objects(tmp_path) == [] and exporter.slab_bytes == 0

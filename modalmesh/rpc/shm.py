@@ -22,6 +22,7 @@ whose resource tracker unlinks objects when any process that touched them exits.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import mmap
 import os
@@ -35,6 +36,8 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _PROBE_NAME = re.compile(r"^modalmesh-probe-[0-9a-f]{32}$")
@@ -100,8 +103,12 @@ class _Slab:
         self.path = directory / self.name
         fd = os.open(self.path, _open_flags(os.O_CREAT | os.O_EXCL | os.O_RDWR), 0o600)
         try:
-            os.ftruncate(fd, capacity)
-            # Populate now: the pages are allocated once, not on every answer.
+            # Allocate every page now: a full /dev/shm is an OSError here (the answer goes as bytes),
+            # not a SIGBUS on a later write into a sparse file; and pages are allocated once, not per answer.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, capacity)
+            else:  # pragma: no cover - not Linux
+                os.ftruncate(fd, capacity)
             self.map = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
             os.unlink(self.path)
@@ -181,7 +188,11 @@ class ShmExporter:
                         victim.close()
                     if self.slab_bytes + capacity > self.max_bytes:
                         return None
-                slab = _Slab(self.directory, capacity)
+                try:
+                    slab = _Slab(self.directory, capacity)
+                except OSError as exc:  # /dev/shm full or gone: this answer goes as bytes
+                    log.warning("no shared-memory slab of %d bytes: %s", capacity, exc)
+                    return None
                 self._slabs.append(slab)
             self._busy.add(slab.name)
             return slab
