@@ -45,8 +45,12 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort: a missing libc only loses orphan cleanup
         return
-    if os.getppid() != int(expected):
+    try:
+        os.kill(int(expected), 0)  # the launcher (not necessarily our parent: a wrapper may sit between)
+    except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGTERM)
+    except (PermissionError, ValueError):
+        pass
 
 
 class ServiceProcess:

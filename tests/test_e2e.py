@@ -177,11 +177,12 @@ def transfer_bytes(proc, direction):
     return out
 
 
-def slab_leases(proc):
-    """The lease word of every shared-memory slab the process has mapped (0 = handed back)."""
+def slabs_handed_back(proc):
+    """For every shared-memory slab the process has mapped: was its content handed back?"""
     names = {line.split()[-1] for line in Path(f"/proc/{proc.proc.pid}/maps").read_text().splitlines()
-             if "/dev/shm/modalmesh-emb-" in line}
-    return {Path(n).name: int.from_bytes(Path(n).read_bytes()[:8], "little") for n in names}
+             if "/dev/shm/modalmesh-emb-" in line and not line.endswith("(deleted)")}
+    words = {n: Path(n).read_bytes()[:16] for n in names}
+    return {Path(n).name: w[:8] == w[8:] for n, w in words.items()}
 
 
 @pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
@@ -196,8 +197,8 @@ def test_co_located_embeddings_travel_through_shared_memory_and_bytes_when_off(v
     # Both images came through /dev/shm (same host): no embedding bytes in messages, every slab handed back.
     assert after["shared_memory"] > before["shared_memory"] and after["grpc"] == before["grpc"]
     assert sent_after["shared_memory"] - sent_before["shared_memory"] == after["shared_memory"] - before["shared_memory"]
-    leases = slab_leases(vision)
-    assert leases and set(leases.values()) == {0}
+    handed_back = slabs_handed_back(vision)
+    assert handed_back and all(handed_back.values()), handed_back
     # An LLM told not to offer the path gets the same embeddings as message bytes.
     plain = start("llm", model, "--kv-cache-tokens", "4096", "--vision-encoder", vision.target,
                   "--encoder-shared-memory", "off")

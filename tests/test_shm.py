@@ -1,6 +1,7 @@
 """The same-host transfer path (modalmesh.rpc.shm): probe, export, read, expiry, refusals."""
 
 import asyncio
+import collections
 import os
 
 import pytest
@@ -10,7 +11,7 @@ from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import from_proto, to_payload, to_proto
 from modalmesh.rpc.shm import (HEADER, SHM_DIR, SharedMemoryGone, ShmExporter, ShmProbe, ShmReader, read_tensor,
-                                shm_available)
+                                shm_available, sweep_orphans)
 
 
 def objects(directory, prefix="modalmesh-emb-"):
@@ -19,6 +20,10 @@ def objects(directory, prefix="modalmesh-emb-"):
 
 def lease_word(directory, name):
     return int.from_bytes((directory / name).read_bytes()[:8], "little")
+
+
+def returned_word(directory, name):
+    return int.from_bytes((directory / name).read_bytes()[8:16], "little")
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (256, 48)), (torch.float32, (3, 5)),
@@ -32,10 +37,13 @@ def test_export_then_read_gives_the_same_tensor_and_hands_the_slab_back(tmp_path
     assert message.data == b"" and message.HasField("shared_memory")
     assert ref.nbytes == x.numel() * x.element_size() and ref.offset == HEADER and ref.lease != 0
     assert objects(tmp_path) == [ref.name] and lease_word(tmp_path, ref.name) == ref.lease
+    assert returned_word(tmp_path, ref.name) != ref.lease
+    st = os.stat(tmp_path / ref.name)
+    assert st.st_blocks * 512 >= st.st_size >= HEADER + ref.nbytes  # allocated up front: no SIGBUS later
     got = read_tensor(message, directory=tmp_path)
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, x)
-    assert lease_word(tmp_path, ref.name) == 0  # handed back
+    assert returned_word(tmp_path, ref.name) == ref.lease  # handed back
     with pytest.raises(SharedMemoryGone):  # a second read of the same answer is refused
         read_tensor(message, directory=tmp_path)
     y = torch.full(shape, 3).to(dtype)
@@ -61,20 +69,30 @@ def test_slabs_grow_by_size_class_and_stay_within_the_limit(tmp_path):
     exporter.close()
 
 
-def test_an_unreturned_slab_is_taken_back_after_the_ttl_and_its_late_reader_is_refused(tmp_path):
+def test_an_unreturned_slab_is_retired_after_the_ttl_and_its_late_reader_is_refused(tmp_path):
     patient = ShmExporter(directory=tmp_path, ttl_s=600)
     first = patient.export(*to_payload(torch.ones(4)))
     second = patient.export(*to_payload(torch.ones(4)))
     assert first.shared_memory.name != second.shared_memory.name  # still leased: a new slab
     patient.close()
+    assert objects(tmp_path) == []
     hasty = ShmExporter(directory=tmp_path, ttl_s=0)
     early = hasty.export(*to_payload(torch.ones(4)))
+    reader = ShmReader(tmp_path)
+    stale = ShmReader(tmp_path)
+    stale._map(early.shared_memory.name, HEADER + 16, "early")  # a reader that mapped it before
     late = hasty.export(*to_payload(torch.zeros(4)))
-    assert late.shared_memory.name == early.shared_memory.name  # taken back at once
-    with pytest.raises(SharedMemoryGone, match="holds other content now"):
-        read_tensor(early, directory=tmp_path)
-    assert torch.equal(read_tensor(late, directory=tmp_path), torch.zeros(4))
+    # Never overwritten: the unreturned slab was unlinked and replaced.
+    assert late.shared_memory.name != early.shared_memory.name
+    assert objects(tmp_path) == [late.shared_memory.name]
+    with pytest.raises(SharedMemoryGone, match="is gone"):
+        reader.read(early)
+    with pytest.raises(SharedMemoryGone, match="was retired"):
+        stale.read(early)
+    assert torch.equal(reader.read(late), torch.zeros(4))
     hasty.close()
+    reader.close()
+    stale.close()
     assert objects(tmp_path) == []
 
 
@@ -89,7 +107,9 @@ def test_a_probe_proves_a_shared_directory_and_nothing_else(tmp_path):
         wrong = pb.TransferOptions(shm_probe=probe.name, shm_nonce=bytes(16))
         assert not ShmExporter(directory=tmp_path).peer_shares(wrong)
         (tmp_path / "secret").write_bytes(probe.nonce)
-        for name in ("../secret", "secret", f"{probe.name}/..", ""):  # only probe names are ever opened
+        fifo = "modalmesh-probe-" + "0" * 32
+        os.mkfifo(tmp_path / fifo)  # must not hang the encoder's event loop
+        for name in ("../secret", "secret", f"{probe.name}/..", "", probe.name + "\n", fifo):
             assert not ShmExporter(directory=tmp_path).peer_shares(
                 pb.TransferOptions(shm_probe=name, shm_nonce=probe.nonce))
     finally:
@@ -128,9 +148,14 @@ def test_read_refuses_malformed_refs(tmp_path):
         read_tensor(variant(lease=0), directory=tmp_path)
     with pytest.raises(InvalidArgument, match="the ref needs"):
         read_tensor(variant(offset=1 << 21), directory=tmp_path)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SharedMemoryGone, match="is gone"):
         read_tensor(variant(name="modalmesh-emb-" + "e" * 32), directory=tmp_path)
-    assert lease_word(tmp_path, ref.name) == ref.lease  # none of that handed the slab back
+    os.mkfifo(tmp_path / ("modalmesh-emb-" + "f" * 32))  # opening a FIFO must not hang the reader
+    with pytest.raises(PermissionError, match="not a regular file"):
+        read_tensor(variant(name="modalmesh-emb-" + "f" * 32), directory=tmp_path)
+    with pytest.raises(InvalidArgument, match="not one modalmesh writes"):
+        read_tensor(variant(name=ref.name + "\n"), directory=tmp_path)
+    assert returned_word(tmp_path, ref.name) != ref.lease  # none of that handed the slab back
     assert torch.equal(read_tensor(good, directory=tmp_path), torch.arange(6, dtype=torch.float32))
     exporter.close()
 
@@ -152,7 +177,7 @@ def test_the_real_dev_shm_round_trip():
         message = exporter.export(*to_payload(x))
         assert lease_word(SHM_DIR, message.shared_memory.name) == message.shared_memory.lease
         assert torch.equal(read_tensor(message), x)
-        assert lease_word(SHM_DIR, message.shared_memory.name) == 0
+        assert returned_word(SHM_DIR, message.shared_memory.name) == message.shared_memory.lease
     finally:
         probe.close()
         exporter.close()
@@ -181,6 +206,8 @@ def _pool_round_trip(mode):
             await pool.close()
             probe.close()
             exporter.close()
+            for path in servicer.planted:
+                os.unlink(path)
             await server.stop(0)
 
     return asyncio.run(asyncio.wait_for(body(), timeout=60))
@@ -194,8 +221,15 @@ def test_the_encoder_pool_reads_shared_memory_answers():
 
 
 @pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
-def test_an_unreadable_shared_memory_answer_falls_back_to_bytes_for_good():
+def test_a_gone_shared_memory_answer_is_asked_again_as_bytes():
     x, reply, tensor, calls, probe = _pool_round_trip("gone")
+    assert calls == 2 and tensor is None and probe is not None  # this item as bytes; the path stays on
+    assert torch.equal(from_proto(reply.embeddings[0].embedding), x)
+
+
+@pytest.mark.skipif(not shm_available(), reason="no writable /dev/shm on this host")
+def test_an_unreadable_shared_memory_answer_turns_the_path_off_for_good():
+    x, reply, tensor, calls, probe = _pool_round_trip("fifo")
     assert calls == 2 and tensor is None and probe is None  # asked again without the offer, and stops offering
     assert torch.equal(from_proto(reply.embeddings[0].embedding), x)
 
@@ -208,27 +242,48 @@ def test_a_stale_shared_memory_answer_is_asked_again_as_bytes_and_the_path_stays
     assert torch.equal(from_proto(reply.embeddings[0].embedding), x)
 
 
-def test_a_reader_keeps_recent_slabs_mapped_within_its_limit(tmp_path):
+def test_a_reader_keeps_recent_slabs_mapped_within_its_limit(tmp_path, monkeypatch):
+    import modalmesh.rpc.shm as shm
+
+    opened = []
+    real_open = shm._open_own_regular
+    def counting(path, flags):  # the reader opens read-write (the exporters' orphan sweep read-only)
+        if flags & os.O_RDWR:
+            opened.append(path.name)
+        return real_open(path, flags)
+
+    monkeypatch.setattr(shm, "_open_own_regular", counting)
     exporter = ShmExporter(directory=tmp_path)
     reader = ShmReader(tmp_path, max_mapped_bytes=2 << 20)
     first = exporter.export(*to_payload(torch.ones(8)))
     assert torch.equal(reader.read(first), torch.ones(8))
-    os.unlink(tmp_path / first.shared_memory.name)  # only the cached mapping can reach it now
     second = exporter.export(*to_payload(torch.full((8,), 2.0)))
-    assert second.shared_memory.name == first.shared_memory.name
-    assert torch.equal(reader.read(second), torch.full((8,), 2.0))  # through the mapping it kept
-    exporter.close()
+    assert second.shared_memory.name == first.shared_memory.name  # handed back, so reused
+    assert torch.equal(reader.read(second), torch.full((8,), 2.0))
+    assert opened == [first.shared_memory.name]  # the second read used the mapping it kept
     others = [ShmExporter(directory=tmp_path) for _ in range(2)]  # two more 1 MiB slabs: the oldest ages out
     for i, other in enumerate(others):
         assert torch.equal(reader.read(other.export(*to_payload(torch.full((4,), float(i))))), torch.full((4,), float(i)))
-    third = exporter.export(*to_payload(torch.ones(8)))  # a new slab (the exporter was closed): fine
+    third = exporter.export(*to_payload(torch.ones(8)))
     assert torch.equal(reader.read(third), torch.ones(8))
-    with pytest.raises(FileNotFoundError):  # the unlinked slab is no longer mapped here
-        reader.read(pb.Tensor(dtype=pb.FLOAT32, shape=[8], shared_memory=second.shared_memory))
-    for other in others:
+    assert opened.count(first.shared_memory.name) == 2  # mapped again after it aged out
+    for other in [*others, exporter]:
         other.close()
-    exporter.close()
     reader.close()
+
+
+def test_orphans_of_dead_processes_are_swept_and_live_objects_kept(tmp_path):
+    live = ShmExporter(directory=tmp_path)
+    kept = live.export(*to_payload(torch.ones(4))).shared_memory.name
+    probe = ShmProbe(directory=tmp_path)
+    dead = ["modalmesh-emb-" + "a" * 32, "modalmesh-probe-" + "b" * 32]  # nobody holds their flock
+    for name in dead:
+        (tmp_path / name).write_bytes(bytes(64))
+    (tmp_path / "unrelated").write_bytes(b"x")
+    assert sweep_orphans(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept, probe.name, "unrelated"])
+    live.close()
+    probe.close()
 
 
 def test_a_full_dev_shm_means_bytes_not_a_crash(tmp_path, monkeypatch):
@@ -241,3 +296,35 @@ def test_a_full_dev_shm_means_bytes_not_a_crash(tmp_path, monkeypatch):
     exporter = ShmExporter(directory=tmp_path)
     assert exporter.export(*to_payload(torch.ones(4))) is None
     assert objects(tmp_path) == [] and exporter.slab_bytes == 0
+
+
+def test_concurrent_exports_and_reads_never_mix_up_contents(tmp_path):
+    import concurrent.futures as cf
+
+    exporter = ShmExporter(directory=tmp_path, ttl_s=0.0005, max_bytes=8 << 20)  # retire eagerly
+    reader = ShmReader(tmp_path, max_mapped_bytes=4 << 20)
+    outcomes = collections.Counter()
+
+    def worker(seed):
+        g = torch.Generator().manual_seed(seed)
+        for i in range(150):
+            x = torch.randn(int(torch.randint(1, 4000, (1,), generator=g)), generator=g)
+            ref = exporter.export(*to_payload(x))
+            if ref is None:
+                outcomes["bytes"] += 1
+                continue
+            try:
+                got = reader.read(ref)
+            except SharedMemoryGone:
+                outcomes["gone"] += 1
+                continue
+            assert torch.equal(got, x), (seed, i)
+            outcomes["ok"] += 1
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        for f in [pool.submit(worker, s) for s in range(4)]:
+            f.result()
+    assert outcomes["ok"] > 0 and sum(outcomes.values()) == 600
+    exporter.close()
+    reader.close()
+    assert objects(tmp_path) == []

@@ -3,31 +3,39 @@
 A client that wants the fast path creates one `ShmProbe` (a tiny object under
 /dev/shm holding a random nonce) and names it in each request. A server whose
 `ShmExporter.peer_shares` can read that nonce shares the client's /dev/shm —
-same host, same IPC namespace, permission to read — and answers with
+same host, same IPC namespace, same user — and answers with
 ``Tensor.shared_memory`` refs instead of bytes. Anything else (another host,
 another container, another user) fails the probe and gets plain bytes.
 
-The exporter keeps a few "slabs": /dev/shm objects it maps once and reuses, so
-an answer costs one memcpy into memory that is already allocated (allocating
-fresh tmpfs pages per answer ran at ~1.5 GB/s, a fifth of memcpy). The first
-8 bytes of a slab hold the lease of its current content. `read_tensor` copies
-the bytes out (straight to the GPU when the LLM runs on one), checks the lease
-before and after the copy, and writes 0 to hand the slab back. A slab nobody
-handed back is taken back after the TTL; a reader that comes later sees a
-changed lease and asks again for bytes, so a slow reader can get an error but
-never wrong numbers. No pickle; plain files, not `multiprocessing.shared_memory`,
-whose resource tracker unlinks objects when any process that touched them exits.
+Slabs. The exporter keeps a few /dev/shm objects it allocates and maps once and
+reuses, so an answer costs one memcpy into memory that already exists
+(allocating fresh tmpfs pages per answer ran at ~1.5 GB/s, a fifth of memcpy).
+A slab's header holds two words: the lease of its current content, written by
+the exporter, and the lease last handed back, written by the reader once it
+has copied the bytes out. The exporter reuses a slab only when the two are
+equal — its reader is done, so no copy can overlap the next write, whatever
+the CPU's memory ordering. A slab whose reader never came (a cancelled call)
+is retired after the TTL: unlinked and replaced, never overwritten, so a late
+reader still mapping it reads the old, consistent bytes, and one that is not
+gets ENOENT and asks for bytes. Each live object carries an flock held by its
+creator; `sweep_orphans` removes objects whose creator died without cleaning up.
+
+No pickle; plain files, not `multiprocessing.shared_memory`, whose resource
+tracker unlinks objects when any process that touched them exits.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
 import logging
 import math
 import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -40,9 +48,18 @@ from modalmesh.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_PROBE_NAME = re.compile(r"^modalmesh-probe-[0-9a-f]{32}$")
-_EMB_NAME = re.compile(r"^modalmesh-emb-[0-9a-f]{32}$")
+_PROBE_NAME = re.compile(r"modalmesh-probe-[0-9a-f]{32}")
+_EMB_NAME = re.compile(r"modalmesh-emb-[0-9a-f]{32}")
 _NONCE_BYTES = 16
+HEADER = 64  # two 8-byte words (lease, returned), padded to a cache line
+_LEASE = slice(0, 8)
+_RETURNED = slice(8, 16)
+_MIN_SLAB = 1 << 20
+_NEGATIVE_PROBE_TTL_S = 30.0  # a failed probe check is retried after this (a transient EMFILE, say)
+
+
+class SharedMemoryGone(OSError):
+    """The object named by a ref is gone, retired or handed back already: ask again for bytes."""
 
 
 def shm_available() -> bool:
@@ -50,7 +67,67 @@ def shm_available() -> bool:
 
 
 def _open_flags(extra: int) -> int:
-    return extra | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: a FIFO planted under a probe's name must not hang the opener.
+    return extra | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_own_regular(path: Path, flags: int) -> int:
+    """An fd on `path` if it is a regular file owned by this user (what our peers create), else OSError."""
+    fd = os.open(path, _open_flags(flags))
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise PermissionError(errno.EACCES, f"{path.name} is not a regular file of this user")
+    return fd
+
+
+def _create_locked(path: Path, size: int, flags: int = os.O_RDWR) -> int:
+    """A new file of `size` allocated bytes with an exclusive flock held on the returned fd."""
+    fd = os.open(path, _open_flags(os.O_CREAT | os.O_EXCL | flags), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if size:
+            # Allocate every page now: a full /dev/shm is an OSError here, not a SIGBUS on a later
+            # write into a sparse file; and the pages are allocated once, not per answer.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover - not Linux
+                os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return fd
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def sweep_orphans(directory: Path = SHM_DIR) -> int:
+    """Remove modalmesh objects whose creator is gone (its flock died with it); returns how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if _PROBE_NAME.fullmatch(n) or _EMB_NAME.fullmatch(n)]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            fd = _open_own_regular(directory / name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # succeeds only when nobody holds it
+        except OSError:
+            continue  # alive
+        finally:
+            os.close(fd)
+        _unlink(directory / name)
+        removed += 1
+    return removed
 
 
 class ShmProbe:
@@ -60,25 +137,21 @@ class ShmProbe:
         self.name = f"modalmesh-probe-{secrets.token_hex(16)}"
         self.nonce = secrets.token_bytes(_NONCE_BYTES)
         self.path = directory / self.name
-        fd = os.open(self.path, _open_flags(os.O_CREAT | os.O_EXCL | os.O_WRONLY), 0o600)
-        try:
-            os.write(fd, self.nonce)
-        finally:
-            os.close(fd)
+        self._fd = _create_locked(self.path, 0, os.O_WRONLY)
+        os.write(self._fd, self.nonce)
 
     def options(self) -> pb.TransferOptions:
         return pb.TransferOptions(shm_probe=self.name, shm_nonce=self.nonce)
 
     def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        if self._fd >= 0:
+            _unlink(self.path)
+            os.close(self._fd)
+            self._fd = -1
 
 
-HEADER = 64  # the lease word, padded to a cache line
-_MIN_SLAB = 1 << 20
-_LEASE = slice(0, 8)
+def _word(view, where: slice) -> int:
+    return int.from_bytes(view[where], "little")
 
 
 def _size_class(n: int) -> int:
@@ -89,77 +162,68 @@ def _size_class(n: int) -> int:
     return -(-n // step) * step
 
 
-class SharedMemoryGone(OSError):
-    """The object named by a ref is gone or holds other content now: ask again for bytes."""
-
-
-def _lease(view) -> int:
-    return int.from_bytes(view[_LEASE], "little")
-
-
 class _Slab:
     def __init__(self, directory: Path, capacity: int):
         self.name = f"modalmesh-emb-{secrets.token_hex(16)}"
         self.path = directory / self.name
-        fd = os.open(self.path, _open_flags(os.O_CREAT | os.O_EXCL | os.O_RDWR), 0o600)
+        self.fd = _create_locked(self.path, capacity)
         try:
-            # Allocate every page now: a full /dev/shm is an OSError here (the answer goes as bytes),
-            # not a SIGBUS on a later write into a sparse file; and pages are allocated once, not per answer.
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, capacity)
-            else:  # pragma: no cover - not Linux
-                os.ftruncate(fd, capacity)
-            self.map = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.map = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
-            os.unlink(self.path)
+            os.close(self.fd)
+            _unlink(self.path)
             raise
-        finally:
-            os.close(fd)
         self.capacity = capacity
-        self.deadline = 0.0  # when an unreturned lease may be taken back
+        self.deadline = math.inf  # when an unreturned lease is given up on
 
-    def free(self, now: float) -> bool:
-        return _lease(self.map) == 0 or self.deadline <= now
+    def returned(self) -> bool:
+        return _word(self.map, _LEASE) == _word(self.map, _RETURNED)
 
     def close(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        _unlink(self.path)
         self.map.close()
+        os.close(self.fd)
 
 
 class ShmExporter:
-    """Server side: checks probes and puts answers' bytes into reusable shared-memory slabs."""
+    """Server side: checks probes and puts answers' bytes into reusable shared-memory slabs.
 
-    def __init__(self, *, ttl_s: float = 120.0, max_bytes: int = 1 << 30, directory: Path = SHM_DIR,
+    Thread-safe: the encoder writes answers from a thread pool.
+    """
+
+    def __init__(self, *, ttl_s: float = 30.0, max_bytes: int = 1 << 30, directory: Path = SHM_DIR,
                  max_probes: int = 1024):
         self.directory = directory
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self._probes: collections.OrderedDict[tuple[str, bytes], bool] = collections.OrderedDict()
+        self._probes: collections.OrderedDict[tuple[str, bytes], tuple[bool, float]] = collections.OrderedDict()
         self._max_probes = max_probes
-        self._slabs: list[_Slab] = []
-        self._busy: set[str] = set()  # slabs being written by this process right now
+        self._slabs: list[_Slab] = []  # idle or leased; a slab being written is in neither list
+        self._reserved = 0  # bytes of slabs being created outside the lock
+        self._closed = False
         self._lock = threading.Lock()
+        if sweep_orphans(directory):
+            log.info("removed shared-memory objects left by processes that died")
 
     @property
     def slab_bytes(self) -> int:
-        return sum(s.capacity for s in self._slabs)
+        return sum(s.capacity for s in self._slabs) + self._reserved
 
     def peer_shares(self, options: pb.TransferOptions) -> bool:
-        """True when the probe named in `options` is readable here and holds its nonce (cached)."""
+        """True when the probe named in `options` is this user's regular file holding its nonce (cached)."""
         if not options.shm_probe:
             return False
         key = (options.shm_probe, bytes(options.shm_nonce))
+        now = time.monotonic()
         with self._lock:
-            if key in self._probes:
+            cached = self._probes.get(key)
+            if cached is not None and (cached[0] or cached[1] > now):
                 self._probes.move_to_end(key)
-                return self._probes[key]
+                return cached[0]
         ok = False
-        if _PROBE_NAME.match(options.shm_probe) and len(key[1]) == _NONCE_BYTES:
+        if _PROBE_NAME.fullmatch(options.shm_probe) and len(key[1]) == _NONCE_BYTES:
             try:
-                fd = os.open(self.directory / options.shm_probe, _open_flags(os.O_RDONLY))
+                fd = _open_own_regular(self.directory / options.shm_probe, os.O_RDONLY)
                 try:
                     ok = os.read(fd, _NONCE_BYTES + 1) == key[1]
                 finally:
@@ -167,56 +231,75 @@ class ShmExporter:
             except OSError:
                 ok = False
         with self._lock:
-            self._probes[key] = ok
+            self._probes[key] = (ok, now + _NEGATIVE_PROBE_TTL_S)
             while len(self._probes) > self._max_probes:
                 self._probes.popitem(last=False)
         return ok
 
-    def _lease_slab(self, need: int) -> _Slab | None:
+    def _take_slab(self, need: int) -> _Slab | None:
+        """A slab of at least `need` bytes, out of the list (the caller writes it and puts it back)."""
         now = time.monotonic()
+        retired = []
         with self._lock:
-            fitting = [s for s in self._slabs if s.capacity >= need and s.name not in self._busy and s.free(now)]
+            if self._closed:
+                return None
+            for s in [s for s in self._slabs if not s.returned() and s.deadline <= now]:
+                self._slabs.remove(s)  # its reader never came: replace it, never overwrite it
+                retired.append(s)
+            # Reuse a returned slab that fits without wasting more than half of it.
+            fitting = [s for s in self._slabs if s.returned() and need <= s.capacity <= max(2 * need, _MIN_SLAB)]
             slab = min(fitting, key=lambda s: s.capacity, default=None)
-            if slab is None:
-                capacity = _size_class(need)
-                if self.slab_bytes + capacity > self.max_bytes:
-                    # Full: drop free slabs too small to be of use, else answer with bytes.
-                    spare = [s for s in self._slabs if s.name not in self._busy and s.free(now)]
-                    while spare and self.slab_bytes + capacity > self.max_bytes:
-                        victim = spare.pop(0)
-                        self._slabs.remove(victim)
-                        victim.close()
-                    if self.slab_bytes + capacity > self.max_bytes:
-                        return None
-                try:
-                    slab = _Slab(self.directory, capacity)
-                except OSError as exc:  # /dev/shm full or gone: this answer goes as bytes
-                    log.warning("no shared-memory slab of %d bytes: %s", capacity, exc)
-                    return None
-                self._slabs.append(slab)
-            self._busy.add(slab.name)
+            capacity = _size_class(need)
+            if slab is None and capacity <= self.max_bytes:
+                idle = sorted((s for s in self._slabs if s.returned()), key=lambda s: s.capacity)
+                while idle and self.slab_bytes + capacity > self.max_bytes:  # make room from idle slabs
+                    victim = idle.pop(0)
+                    self._slabs.remove(victim)
+                    retired.append(victim)
+                if self.slab_bytes + capacity <= self.max_bytes:
+                    self._reserved += capacity
+                else:
+                    capacity = 0
+            elif slab is None:
+                capacity = 0  # larger than the whole budget
+            if slab is not None:
+                self._slabs.remove(slab)
+        for s in retired:
+            s.close()
+        if slab is not None or not capacity:
             return slab
-
-    def export(self, meta: pb.Tensor, data: bytes) -> pb.Tensor | None:
-        """A Tensor of `meta`'s dtype and shape whose bytes (`data`) are in a slab, or None when the
-        slabs are full (send bytes)."""
-        slab = self._lease_slab(HEADER + len(data))
-        if slab is None:
-            return None
         try:
-            lease = secrets.randbits(64) or 1
-            # The new lease goes in before the bytes: a late reader of the old content sees it change.
-            slab.map[_LEASE] = lease.to_bytes(8, "little")
-            slab.deadline = time.monotonic() + self.ttl_s
-            slab.map[HEADER:HEADER + len(data)] = data
+            return _Slab(self.directory, capacity)  # allocating can take a while: outside the lock
+        except OSError as exc:  # /dev/shm full or gone: this answer goes as bytes
+            log.warning("no shared-memory slab of %d bytes: %s", capacity, exc)
+            return None
         finally:
             with self._lock:
-                self._busy.discard(slab.name)
+                self._reserved -= capacity
+
+    def export(self, meta: pb.Tensor, data: bytes) -> pb.Tensor | None:
+        """A Tensor of `meta`'s dtype and shape whose bytes (`data`) are in a slab, or None when there is
+        no room (send bytes)."""
+        slab = self._take_slab(HEADER + len(data))
+        if slab is None:
+            return None
+        lease = secrets.randbits(64) or 1
+        slab.map[HEADER:HEADER + len(data)] = data
+        slab.map[_LEASE] = lease.to_bytes(8, "little")  # after the bytes; its reader cannot be mid-copy
+        slab.deadline = time.monotonic() + self.ttl_s
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._slabs.append(slab)
+        if closed:
+            slab.close()
+            return None
         return pb.Tensor(dtype=meta.dtype, shape=meta.shape, shared_memory=pb.SharedMemoryRef(
             name=slab.name, nbytes=len(data), offset=HEADER, lease=lease))
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             slabs, self._slabs = self._slabs, []
         for slab in slabs:
             slab.close()
@@ -226,47 +309,55 @@ class ShmReader:
     """Client side: copies shared-memory answers out and hands their slabs back.
 
     Recently used slabs stay mapped (up to `max_mapped_bytes`): mapping and populating a slab
-    costs about as much as copying it. A mapping of a slab its exporter has since removed only
-    pins memory until it ages out here.
+    costs about as much as copying it. A mapping whose object has been removed is dropped when
+    next used, so retired slabs are not kept alive here.
     """
 
     def __init__(self, directory: Path = SHM_DIR, max_mapped_bytes: int = 1 << 30):
         self.directory = directory
         self.max_mapped_bytes = max_mapped_bytes
-        self._maps: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        self._maps: collections.OrderedDict[str, tuple[mmap.mmap, int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def _map(self, slab: str, end: int, name: str) -> mmap.mmap:
-        with self._lock:
-            view = self._maps.get(slab)
-            if view is not None:
+        with self._lock:  # the fd is only closed under this lock
+            entry = self._maps.get(slab)
+            if entry is not None:
+                if os.fstat(entry[1]).st_nlink == 0:
+                    del self._maps[slab]
+                    os.close(entry[1])
+                    raise SharedMemoryGone(f"{name}: shared-memory object {slab} was retired")
                 self._maps.move_to_end(slab)
-        if view is None:
-            fd = os.open(self.directory / slab, _open_flags(os.O_RDWR))
+        if entry is None:
+            fd = _open_own_regular(self.directory / slab, os.O_RDWR)
             try:
                 size = os.fstat(fd).st_size
                 if end > size:
                     raise InvalidArgument(f"{name}: shared-memory object {slab} has {size} bytes, the ref needs {end}")
                 view = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            entry = (view, fd)
             with self._lock:
-                self._maps[slab] = view
-                mapped = sum(len(m) for m in self._maps.values())
+                self._maps[slab] = entry
+                mapped = sum(len(m) for m, _ in self._maps.values())
                 while self._maps and mapped > self.max_mapped_bytes:
                     # Dropped, not closed: a reader still copying holds its own reference; the last one unmaps.
-                    mapped -= len(self._maps.popitem(last=False)[1])
-        if end > len(view):
-            raise InvalidArgument(f"{name}: shared-memory object {slab} has {len(view)} bytes, the ref needs {end}")
-        return view
+                    old_view, old_fd = self._maps.popitem(last=False)[1]
+                    mapped -= len(old_view)
+                    os.close(old_fd)
+        if end > len(entry[0]):
+            raise InvalidArgument(f"{name}: shared-memory object {slab} has {len(entry[0])} bytes, the ref needs {end}")
+        return entry[0]
 
     def read(self, message: pb.Tensor, *, name: str = "tensor",
              device: torch.device | str | None = None) -> torch.Tensor:
         """Copy a shared-memory Tensor out (to `device`, default the CPU) and hand its slab back.
 
-        Raises InvalidArgument for a malformed ref, SharedMemoryGone when the slab holds other
-        content now, and OSError when it cannot be opened (gone, or not this user's): the caller
-        asks again for bytes.
+        Raises InvalidArgument for a malformed ref, SharedMemoryGone (an OSError) when the slab is
+        gone or holds other content, and OSError when it cannot be opened: the caller asks again
+        for bytes.
         """
         from modalmesh.rpc.codec import TORCH_DTYPES, dtype_name  # codec imports nothing from here
 
@@ -274,7 +365,7 @@ class ShmReader:
         dtype = TORCH_DTYPES.get(message.dtype)
         if dtype is None:
             raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
-        if not _EMB_NAME.match(ref.name):
+        if not _EMB_NAME.fullmatch(ref.name):
             raise InvalidArgument(f"{name}: shared-memory name {ref.name!r} is not one modalmesh writes")
         shape = tuple(int(d) for d in message.shape)
         if any(d < 0 for d in shape):
@@ -283,10 +374,13 @@ class ShmReader:
         if ref.nbytes != expected:
             raise InvalidArgument(f"{name}: shared memory holds {ref.nbytes} bytes but shape {list(shape)} of "
                                   f"{dtype_name(message.dtype)} needs {expected}")
-        if ref.offset < _LEASE.stop or ref.lease == 0:
+        if ref.offset < HEADER or ref.lease == 0:
             raise InvalidArgument(f"{name}: shared-memory ref has offset {ref.offset} and lease {ref.lease}")
-        view = self._map(ref.name, ref.offset + expected, name)
-        if _lease(view) != ref.lease:
+        try:
+            view = self._map(ref.name, ref.offset + expected, name)
+        except FileNotFoundError as exc:
+            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} is gone") from exc
+        if _word(view, _LEASE) != ref.lease or _word(view, _RETURNED) == ref.lease:
             raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} holds other content now")
         target = torch.device(device) if device is not None else torch.device("cpu")
         if expected:
@@ -297,17 +391,21 @@ class ShmReader:
             del src
         else:
             out = torch.empty(0, dtype=torch.uint8, device=target)
-        if _lease(view) != ref.lease:  # taken back during the copy: the copy may be torn
-            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} was taken back while it was read")
-        view[_LEASE] = bytes(8)  # hand the slab back
+        view[_RETURNED] = ref.lease.to_bytes(8, "little")  # hand back; a stale lease here frees nothing
         return out.view(dtype).reshape(shape)
 
     def close(self) -> None:
         with self._lock:
-            self._maps.clear()
+            entries, self._maps = list(self._maps.values()), collections.OrderedDict()
+        for _, fd in entries:
+            os.close(fd)
 
 
 def read_tensor(message: pb.Tensor, *, name: str = "tensor", device: torch.device | str | None = None,
                 directory: Path = SHM_DIR) -> torch.Tensor:
     """`ShmReader.read` without keeping the slab mapped."""
-    return ShmReader(directory, max_mapped_bytes=0).read(message, name=name, device=device)
+    reader = ShmReader(directory, max_mapped_bytes=0)
+    try:
+        return reader.read(message, name=name, device=device)
+    finally:
+        reader.close()

@@ -69,8 +69,8 @@ class EncoderService(Service):
                                  "memory instead of message bytes; off: always bytes")
         parser.add_argument("--shared-memory-mb", type=int, default=1024,
                             help="most /dev/shm the answers may hold at once (beyond it they go as bytes)")
-        parser.add_argument("--shared-memory-ttl", type=float, default=120.0,
-                            help="seconds a shared-memory answer is kept for its reader before the slab is reused")
+        parser.add_argument("--shared-memory-ttl", type=float, default=30.0,
+                            help="seconds a shared-memory answer waits for its reader before its slab is retired")
 
     # -- hooks for the vision / audio subclass ---------------------------------------------
     def build_model(self) -> EncoderModel:

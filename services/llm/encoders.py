@@ -84,15 +84,16 @@ class EncoderPool:
                 raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
             if len(reply.embeddings) != 1 or not reply.embeddings[0].embedding.HasField("shared_memory"):
                 return reply, None  # bytes (or a count the fan-out refuses)
+            if not request.HasField("transfer"):
+                raise ModalmeshError(f"items[{index}]: encoder {self.target} answered with shared memory unasked")
             try:
                 message, where = reply.embeddings[0].embedding, f"items[{index}].embedding"
                 if message.shared_memory.nbytes <= _INLINE_BYTES:  # a thread hop would cost more than the copy
                     tensor = self.reader.read(message, name=where, device=self.device)
                 else:
                     tensor = await asyncio.to_thread(self.reader.read, message, name=where, device=self.device)
-            except InvalidArgument as exc:
-                raise ModalmeshError(f"encoder {self.target} sent a bad shared-memory answer: {exc}") from None
-            except SharedMemoryGone as exc:
+            except (InvalidArgument, SharedMemoryGone) as exc:
+                # A late read (the slab was retired) or a malformed ref: this item again, as bytes.
                 log.warning("encoder %s: %s; asking again for bytes", self.target, exc)
                 offer = False
                 attempt -= 1

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import secrets
 import sys
 
 from modalmesh import pb
@@ -31,9 +33,10 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         self.encode_calls = 0
         self.refuse = False  # behave like a replica that lost its model: UNAVAILABLE
         # Answers to requests that offer shared memory: None = bytes, an ShmExporter = through it,
-        # "gone" = a ref to an object that does not exist, ("stale", ShmExporter) = a ref whose slab
+        # "gone" = a ref to an object that does not exist, "fifo" = one that is not a regular file, ("stale", ShmExporter) = a ref whose slab
         # holds other content by the time the client reads it.
         self.shared_memory = None
+        self.planted: list[str] = []  # files the "fifo" mode made, for the test to remove
 
     async def Encode(self, request, context):
         self.encode_calls += 1
@@ -50,9 +53,13 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         reply = pb.EncodeResponse(model_id=self.name)
         if tensor is not None:
             message = to_proto(tensor)
-            if request.HasField("transfer") and self.shared_memory == "gone":
+            if request.HasField("transfer") and self.shared_memory in ("gone", "fifo"):
+                name = "modalmesh-emb-" + secrets.token_hex(16)
+                if self.shared_memory == "fifo":  # not a regular file: unreadable, not merely gone
+                    os.mkfifo(f"/dev/shm/{name}")
+                    self.planted.append(f"/dev/shm/{name}")
                 message = pb.Tensor(dtype=message.dtype, shape=message.shape, shared_memory=pb.SharedMemoryRef(
-                    name="modalmesh-emb-" + "f" * 32, nbytes=len(message.data), offset=64, lease=1))
+                    name=name, nbytes=len(message.data), offset=64, lease=1))
             elif request.HasField("transfer") and isinstance(self.shared_memory, tuple):  # ("stale", exporter)
                 message = self.shared_memory[1].export(message, message.data)
                 message.shared_memory.lease ^= 1  # as if the slab had been taken back before the read
