@@ -40,6 +40,7 @@ from modalmesh.rpc.shm import ShmProbe, shm_available  # noqa: E402
 
 HIDDEN = 3584  # Qwen2-VL-7B's LLM width: the width of every image embedding row
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+_WARMUP = 3
 
 
 def make_checkpoint(out: Path) -> Path:
@@ -87,14 +88,14 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, shared_memo
     pool = EncoderPool(pb.IMAGE, target, probe=probe)
     try:
         times, nbytes = [], 0
-        for _ in range(repeat + 1):  # the first call warms the channel
+        for _ in range(repeat + _WARMUP):  # warm-up calls: the channel's windows, the slab, the mapping
             start = time.perf_counter()
             reply, tensor = await pool.encode_one(item, 0, timeout=600)
             times.append(time.perf_counter() - start)
             if shared_memory and tensor is None:
                 raise RuntimeError("the encoder did not take the shared-memory path: is /dev/shm shared?")
             nbytes = tensor.numel() * tensor.element_size() if tensor is not None else len(reply.embeddings[0].embedding.data)
-        return statistics.median(times[1:]), nbytes
+        return statistics.median(times[_WARMUP:]), nbytes
     finally:
         await pool.close()
         if probe is not None:
@@ -130,7 +131,7 @@ def ttft(target: str, item: pb.EncodeItem, repeat: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="448,2688", help="image sides in pixels (multiples of 28)")
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--ttft-repeat", type=int, default=3)
     parser.add_argument("--ttft-max-side", type=int, default=1 << 30,
                         help="skip TTFT for larger images (a CPU prefills 9k tokens slowly)")
