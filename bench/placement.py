@@ -1,0 +1,186 @@
+"""Where the encoder runs: image+text load through the real services, by GPU placement.
+
+    python bench/placement.py                  # two GPUs: Qwen2-VL-7B shape, random weights, bf16
+    python bench/placement.py --quick          # tiny checkpoint on the CPU (checks the script)
+
+Runs the same load — N concurrent Generate calls, each one image (its own pixels, so no
+cache hits) and a short text, fixed output length — against three layouts, each process
+pinned with CUDA_VISIBLE_DEVICES as compose pins a container:
+
+  shared        vision encoder and LLM on GPU 0
+  split         vision encoder on GPU 0, LLM on GPU 1
+  two-replicas  vision encoders on GPU 0 and GPU 1 behind the LLM's round_robin channel, LLM on GPU 1
+
+and prints requests/s, output tok/s and TTFT percentiles per layout, plus each vision
+replica's Encode count (both replicas must take load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from modalmesh import pb, tiny  # noqa: E402
+from modalmesh.launcher import ServiceProcess  # noqa: E402
+from modalmesh.rpc.channel import aio_channel  # noqa: E402
+
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+LAYOUTS = {  # name: (GPUs of the vision replicas, GPU of the LLM)
+    "shared": (["0"], "0"),
+    "split": (["0"], "1"),
+    "two-replicas": (["0", "1"], "1"),
+}
+
+
+def qwen2_vl_7b(root: Path) -> Path:
+    """config.json (Qwen2-VL-7B shape), tokenizer and image processor; weights come from --dummy-weights."""
+    import transformers as tf
+
+    tok = tiny.build_tokenizer(tiny.QWEN_SPECIALS, chat_template=tiny.QWEN_CHAT_TEMPLATE, eos="<|im_end|>",
+                               pad="<|endoftext|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in tiny.QWEN_SPECIALS}
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    vision = dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    cfg = tf.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+                           architectures=["Qwen2VLForConditionalGeneration"])
+    root.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(root)
+    tok.save_pretrained(root)
+    tf.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 1280).save_pretrained(root)
+    return root
+
+
+def png(side: int, seed: int) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
+
+
+async def load(target: str, images: list[bytes], concurrency: int, output_len: int) -> dict:
+    ttfts, tokens = [], 0
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, data in enumerate(images):
+        queue.put_nowait((i, data))
+
+    async def worker(stub):
+        nonlocal tokens
+        while not queue.empty():
+            i, data = queue.get_nowait()
+            request = pb.GenerateRequest(
+                text=f"{VISION} Picture {i}: describe it.",
+                items=[pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data))],
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+            start, first = time.perf_counter(), None
+            async for reply in stub.Generate(request, timeout=1800):
+                if reply.token_ids and first is None:
+                    first = time.perf_counter() - start
+                tokens += len(reply.token_ids)
+            ttfts.append(first)
+
+    async with aio_channel(target) as channel:
+        stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(stub) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return dict(requests_s=len(images) / wall, output_tok_s=tokens / wall, wall_s=wall,
+                ttft_p50_ms=percentile(ttfts, 50) * 1e3, ttft_p99_ms=percentile(ttfts, 99) * 1e3,
+                ttft_mean_ms=statistics.mean(ttfts) * 1e3)
+
+
+def encode_count(proc: ServiceProcess) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+               if s.name == "modalmesh_requests_total" and s.labels.get("rpc") == "Encode"
+               and s.labels.get("code") == "OK")
+
+
+def run_layout(name: str, ckpt: Path, args) -> dict:
+    vision_gpus, llm_gpu = LAYOUTS[name]
+    common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt)]
+    if args.quick:
+        common += ["--device", "cpu"]
+    else:
+        common += ["--dummy-weights", "--dtype", "bfloat16"]
+    procs: list[ServiceProcess] = []
+    try:
+        visions = [ServiceProcess("vision_encoder", common, env={"CUDA_VISIBLE_DEVICES": gpu}).start()
+                   for gpu in vision_gpus]
+        procs += visions
+        for v in visions:
+            v.wait_listening(600)
+        targets = ",".join(f"127.0.0.1:{v.grpc_port}" for v in visions)
+        llm_flags = [*common, "--vision-encoder", f"ipv4:{targets}", "--max-num-seqs", str(args.concurrency)]
+        if args.quick:
+            llm_flags += ["--kv-cache-tokens", "65536"]
+        llm = ServiceProcess("llm", llm_flags, env={"CUDA_VISIBLE_DEVICES": llm_gpu}).start()
+        procs.append(llm)
+        for p in procs:
+            p.wait_serving(timeout=1800)
+        warm = [png(args.side, 10_000 + i) for i in range(min(4, args.requests))]
+        asyncio.run(load(llm.target, warm, len(warm), 2))  # first calls: graphs, kernels, channels
+        before = [encode_count(v) for v in visions]
+        images = [png(args.side, i) for i in range(args.requests)]
+        stats = asyncio.run(load(llm.target, images, args.concurrency, args.output_len))
+        stats["encode_calls_per_replica"] = [encode_count(v) - b for v, b in zip(visions, before)]
+        stats["layout"] = name
+        return stats
+    finally:
+        for p in reversed(procs):
+            p.terminate(timeout=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny checkpoint on the CPU")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--side", type=int, default=448, help="image side in pixels")
+    args = parser.parse_args()
+    if args.quick:
+        args.concurrency, args.requests, args.output_len, args.side = min(args.concurrency, 8), \
+            min(args.requests, 16), min(args.output_len, 8), min(args.side, 112)
+        ckpt = tiny.ensure("qwen2_vl", Path(tempfile.gettempdir()) / "modalmesh-bench-placement")
+    else:
+        ckpt = qwen2_vl_7b(Path(tempfile.mkdtemp(prefix="bench-placement-")))
+    rows = [run_layout(name, ckpt, args) for name in args.layouts.split(",")]
+    print(json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows], indent=1))
+    print(f"\n{args.requests} requests, {args.concurrency} concurrent, one {args.side}x{args.side} image each, "
+          f"{args.output_len} output tokens")
+    print(f"{'layout':>13} | {'req/s':>7} | {'out tok/s':>9} | {'TTFT p50':>9} | {'TTFT p99':>9} | Encode calls per replica")
+    for r in rows:
+        print(f"{r['layout']:>13} | {r['requests_s']:7.2f} | {r['output_tok_s']:9.0f} | {r['ttft_p50_ms']:7.0f} ms | "
+              f"{r['ttft_p99_ms']:7.0f} ms | {r['encode_calls_per_replica']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
