@@ -81,27 +81,39 @@ def from_proto(
         # Only an answer to a request that offered the same-host path may point into /dev/shm
         # (modalmesh.rpc.shm reads those); anywhere else it would let a caller name files here.
         raise InvalidArgument(f"{name}: a shared-memory reference is not accepted here; send the bytes in data")
-    dtype = TORCH_DTYPES.get(message.dtype)
+    return from_payload(message, message.data, name=name, device=device, copy=copy)
+
+
+def from_payload(
+    meta: pb.Tensor,
+    data,
+    *,
+    name: str = "tensor",
+    device: torch.device | str | None = None,
+    copy: bool = False,
+) -> torch.Tensor:
+    """Decode `meta`'s dtype and shape over `data` (bytes or a memoryview, aliased unless `copy`)."""
+    dtype = TORCH_DTYPES.get(meta.dtype)
     if dtype is None:
         raise InvalidArgument(
-            f"{name}: unknown or unspecified dtype {dtype_name(message.dtype)} "
+            f"{name}: unknown or unspecified dtype {dtype_name(meta.dtype)} "
             f"(expected one of {', '.join(pb.DType.Name(d) for d in TORCH_DTYPES)})"
         )
-    shape = tuple(int(d) for d in message.shape)
+    shape = tuple(int(d) for d in meta.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = numel * itemsize
-    if len(message.data) != expected:
+    if len(data) != expected:
         raise InvalidArgument(
-            f"{name}: data holds {len(message.data)} bytes but shape {list(shape)} of "
-            f"{dtype_name(message.dtype)} needs {expected}"
+            f"{name}: data holds {len(data)} bytes but shape {list(shape)} of "
+            f"{dtype_name(meta.dtype)} needs {expected}"
         )
     if numel == 0:
         out = torch.empty(shape, dtype=dtype)
     else:
-        out = torch.frombuffer(message.data, dtype=torch.uint8).view(dtype).reshape(shape)
+        out = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
         if copy:
             out = out.clone()
     return out if device is None else out.to(device)

@@ -13,11 +13,13 @@ import argparse
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 
 from modalmesh import pb
 from modalmesh.errors import FailedPrecondition, InvalidArgument
 from modalmesh.rpc.codec import payload_nbytes, to_payload
+from modalmesh.rpc import wire
 from modalmesh.rpc.server import MiB
 from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
@@ -27,6 +29,25 @@ from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 
 _INLINE_BYTES = 4 << 20  # answers this small are put on the wire on the event loop
+DATA_PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data, for modalmesh.rpc.wire
+
+
+def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_encoder_service(servicer, server) -> None:
+    """The generated registration, except that Encode may return its wire bytes already made
+    (`_wire` splices the embeddings' bytes in with one copy instead of protobuf's two)."""
+    handlers = {
+        "Encode": grpc.unary_unary_rpc_method_handler(
+            servicer.Encode, request_deserializer=pb.EncodeRequest.FromString, response_serializer=_serialize),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info, request_deserializer=pb.InfoRequest.FromString,
+            response_serializer=pb.ServiceInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(pb.ENCODER_SERVICE, handlers),))
+    server.add_registered_method_handlers(pb.ENCODER_SERVICE, handlers)
 
 
 class EncoderServicer(pb.encoder_pb2_grpc.EncoderServiceServicer):
@@ -79,8 +100,7 @@ class EncoderService(Service):
 
     # -- life cycle -------------------------------------------------------------------------
     def register(self, server) -> None:
-        server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server,
-                           EncoderServicer(self))
+        server.add_service(pb.ENCODER_SERVICE, add_encoder_service, EncoderServicer(self))
 
     async def load(self) -> None:
         await super().load()
@@ -125,7 +145,8 @@ class EncoderService(Service):
             answers.append(Answer(meta, payload))
         return answers
 
-    async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse:
+    async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
+        """The answer, or its wire bytes when embeddings travel in it (see `add_encoder_service`)."""
         if self.model is None:
             raise FailedPrecondition(f"{self.name} serves no model: start it with --model DIR")
         n = len(request.items)
@@ -176,9 +197,9 @@ class EncoderService(Service):
         response = pb.EncodeResponse(model_id=self.model_id, weights_fingerprint=self.weights_fingerprint,
                                      modality=self.modality)
         if sum(len(a.payload) for a in out) <= _INLINE_BYTES:
-            self._wire(response, out, shared)  # a thread hop would cost more than the copies
+            payloads = self._wire(response, out, shared)  # a thread hop would cost more than the copies
         else:
-            await loop.run_in_executor(self._pool, self._wire, response, out, shared)
+            payloads = await loop.run_in_executor(self._pool, self._wire, response, out, shared)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
         sent = {"grpc": 0, "shared_memory": 0}
@@ -187,16 +208,21 @@ class EncoderService(Service):
         for path, nbytes in sent.items():
             if nbytes:
                 self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
-        return response
+        if not any(payloads):
+            return response
+        if sent["grpc"] <= _INLINE_BYTES:
+            return wire.inject(response.SerializeToString(), DATA_PATH, payloads)
+        return await loop.run_in_executor(self._pool, wire.inject, response.SerializeToString(), DATA_PATH, payloads)
 
-    def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> None:
-        """Worker thread: the answers into `response`, their bytes in shared memory when the client shares
-        this host and the slabs have room, else inline (one copy either way)."""
+    def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> list[bytes | None]:
+        """The answers into `response` without their bytes; returns the bytes each one still needs in
+        the message (None where they went into shared memory)."""
+        payloads = []
         for a in answers:
             ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
             e = response.embeddings.add()
             e.CopyFrom(a.meta)
-            if ref is None:
-                e.embedding.data = a.payload
-            else:
+            if ref is not None:
                 e.embedding.CopyFrom(ref)
+            payloads.append(None if ref is not None else a.payload)
+        return payloads

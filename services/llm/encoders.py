@@ -9,10 +9,11 @@ spliced: it must come from the same checkpoint (weights fingerprint) and have
 the right modality; the splicer then checks width, dtype and row count.
 
 With a `ShmProbe`, each call offers the same-host path (modalmesh.rpc.shm): an
-encoder that shares this host's /dev/shm answers with shared-memory refs,
-read here off the event loop. A ref that cannot be read (another user, a
-removed object) turns the path off for that pool and the item is asked again
-as bytes.
+encoder that shares this host's /dev/shm answers with shared-memory refs, copied
+out here (off the event loop when large). A ref that is gone or stale gets that
+item asked again as bytes; one that cannot be read at all (not this user's)
+turns the path off for the pool. Answers with bytes are parsed without them
+(modalmesh.rpc.wire): the embedding is a view into the received buffer.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from modalmesh import pb
 from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ModalmeshError, Unavailable
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
-from modalmesh.rpc.codec import payload_nbytes
+from modalmesh.rpc import wire
+from modalmesh.rpc.codec import from_payload, payload_nbytes
 from modalmesh.rpc.shm import SharedMemoryGone, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,14 @@ log = logging.getLogger(__name__)
 FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}
 _MAX_ATTEMPTS = 4
 _INLINE_BYTES = 4 << 20  # shared-memory answers this small are copied out on the event loop
+
+
+_DATA_PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data
+
+
+def _parse_encode_response(data: bytes) -> tuple[pb.EncodeResponse, list[memoryview | None]]:
+    rest, payloads = wire.strip(data, _DATA_PATH)
+    return pb.EncodeResponse.FromString(rest), payloads
 
 
 class EncoderPool:
@@ -48,13 +58,18 @@ class EncoderPool:
         self.device = device  # where embeddings read from shared memory go (the LLM's device)
         self.target = target
         self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
-        self.stub = pb.encoder_pb2_grpc.EncoderServiceStub(self.channel)
+        # Encode's answer is parsed without its embeddings' bytes, which stay views into the
+        # received buffer (modalmesh.rpc.wire): protobuf would copy them twice.
+        self._encode = self.channel.unary_unary(
+            f"/{pb.ENCODER_SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString,
+            response_deserializer=_parse_encode_response)
         self.probe = probe
         self.reader = reader if reader is not None else ShmReader()
 
     async def encode_one(self, item: pb.EncodeItem, index: int,
                          timeout: float) -> tuple[pb.EncodeResponse, torch.Tensor | None]:
-        """The encoder's answer for one item, and its embedding when it came through shared memory."""
+        # None only with a count of embeddings other than one, which the fan-out refuses.
+        """The encoder's answer for one item (without the embedding's bytes) and the embedding."""
         deadline = time.monotonic() + timeout
         attempt = 0
         offer = True  # off for this item after a shared-memory answer went stale
@@ -67,7 +82,7 @@ class EncoderPool:
             if offer and self.probe is not None:
                 request.transfer.CopyFrom(self.probe.options())
             try:
-                reply = await self.stub.Encode(request, timeout=remaining, wait_for_ready=True)
+                reply, payloads = await self._encode(request, timeout=remaining, wait_for_ready=True)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
@@ -82,8 +97,14 @@ class EncoderPool:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Unavailable(f"items[{index}]: the encoder pool is overloaded: {detail}") from None
                 raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
-            if len(reply.embeddings) != 1 or not reply.embeddings[0].embedding.HasField("shared_memory"):
-                return reply, None  # bytes (or a count the fan-out refuses)
+            if len(reply.embeddings) != 1:
+                return reply, None  # a count the fan-out refuses
+            if not reply.embeddings[0].embedding.HasField("shared_memory"):
+                try:
+                    return reply, from_payload(reply.embeddings[0].embedding, payloads[0] or b"",
+                                               name=f"items[{index}].embedding")
+                except InvalidArgument as exc:
+                    raise ModalmeshError(f"encoder {self.target} sent a malformed embedding: {exc}") from None
             if not request.HasField("transfer"):
                 raise ModalmeshError(f"items[{index}]: encoder {self.target} answered with shared memory unasked")
             try:
@@ -124,8 +145,9 @@ class EncoderFanout:
 
     async def resolve(self, items: list[pb.MultimodalItem],
                       timeout: float | None) -> tuple[list[pb.MultimodalItem], dict[int, torch.Tensor]]:
-        """Items with raw input replaced by their encoders' embeddings (the rest unchanged), and the
-        embeddings that came through shared memory, by item index (their messages carry no bytes)."""
+        """Items with raw input replaced by their encoders' answers (the rest unchanged), and those
+        answers' embeddings by item index: the messages carry no bytes (shared memory, or views
+        into the received buffer)."""
         todo = [(i, item) for i, item in enumerate(items) if item.WhichOneof("source") == "input"]
         if not todo:
             return items, {}
@@ -150,13 +172,10 @@ class EncoderFanout:
         for (i, item), (reply, tensor) in zip(todo, replies):
             self._check(reply, item.modality, i)
             embedding = reply.embeddings[0]
-            if tensor is not None:
-                decoded[i] = tensor
-                self.metrics.transfer_bytes_total.labels(direction="received", path="shared_memory").inc(
-                    tensor.numel() * tensor.element_size())
-            else:
-                self.metrics.transfer_bytes_total.labels(direction="received", path="grpc").inc(
-                    payload_nbytes(embedding.embedding))
+            decoded[i] = tensor
+            path = "shared_memory" if embedding.embedding.HasField("shared_memory") else "grpc"
+            self.metrics.transfer_bytes_total.labels(direction="received", path=path).inc(
+                payload_nbytes(embedding.embedding))
             out[i] = pb.MultimodalItem(modality=item.modality, embedding=embedding)
         return out, decoded
 
