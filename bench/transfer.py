@@ -8,12 +8,13 @@ one told `--encoder-shared-memory off`) on a Qwen2-VL checkpoint whose layers ar
 embeddings are Qwen2-VL-7B-sized: rows x 3584 in bf16, so a 448x448 image gives 256 rows (1.8 MB)
 and a 2688x2688 image 9216 rows (66 MB). For each image size:
 
-- transfer: Encode of an image the encoder has already cached (no model work), through the LLM's
-  own `EncoderPool` client, once as message bytes (the peer: Python gRPC on loopback) and once
-  through shared memory; GB/s = embedding bytes / call time (median of --repeat calls).
+- transfer: Encode of an image the encoder has already cached (no model work), to a tensor in
+  the caller: through a plain client (the generated stub and protobuf: the peer), and through the
+  LLM's own `EncoderPool` as message bytes and through shared memory; GB/s = embedding bytes /
+  call time (median of --repeat calls).
 - limit: one memcpy of the same bytes in this process.
-- TTFT: Generate(image + text, one output token) on each LLM, the image cached on the encoder,
-  and the transfer's share of it.
+- TTFT: Generate(image + text, one output token) on each LLM (shared memory on, and off), the
+  image cached on the encoder, and the transfer's share of it.
 """
 
 from __future__ import annotations
@@ -80,24 +81,35 @@ def smooth_png(side: int) -> bytes:
     return buf.getvalue()
 
 
-async def time_encode(target: str, item: pb.EncodeItem, repeat: int, shared_memory: bool) -> tuple[float, int]:
-    """Median seconds of one cached Encode through the LLM's client, and the embedding's bytes."""
+async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) -> tuple[float, int]:
+    """Median seconds of one cached Encode, and the embedding's bytes. `mode`: "stub" is a plain client
+    (the generated stub, protobuf parsing, `from_proto`: the peer); "bytes" and "shm" are the LLM's own
+    `EncoderPool` without and with the shared-memory offer."""
+    from modalmesh.rpc.channel import aio_channel
+    from modalmesh.rpc.codec import from_proto
     from services.llm.encoders import EncoderPool
 
-    probe = ShmProbe() if shared_memory else None
+    probe = ShmProbe() if mode == "shm" else None
     pool = EncoderPool(pb.IMAGE, target, probe=probe)
+    channel = aio_channel(target, max_message_bytes=256 << 20)
+    stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
     try:
         times, nbytes = [], 0
         for _ in range(repeat + _WARMUP):  # warm-up calls: the channel's windows, the slab, the mapping
             start = time.perf_counter()
-            reply, tensor = await pool.encode_one(item, 0, timeout=600)
+            if mode == "stub":
+                reply = await stub.Encode(pb.EncodeRequest(items=[item]), timeout=600)
+                tensor = from_proto(reply.embeddings[0].embedding)
+            else:
+                reply, tensor = await pool.encode_one(item, 0, timeout=600)
             times.append(time.perf_counter() - start)
-            if shared_memory and tensor is None:
-                raise RuntimeError("the encoder did not take the shared-memory path: is /dev/shm shared?")
-            nbytes = tensor.numel() * tensor.element_size() if tensor is not None else len(reply.embeddings[0].embedding.data)
+            if (mode == "shm") != reply.embeddings[0].embedding.HasField("shared_memory"):
+                raise RuntimeError(f"{mode}: the answer took the other path: is /dev/shm shared?")
+            nbytes = tensor.numel() * tensor.element_size()
         return statistics.median(times[_WARMUP:]), nbytes
     finally:
         await pool.close()
+        await channel.close()
         if probe is not None:
             probe.close()
 
@@ -158,15 +170,16 @@ def main() -> int:
         rows = []
         for side in (int(s) for s in args.sizes.split(",")):
             item = pb.EncodeItem(data=smooth_png(side), max_pixels=side * side)
-            grpc_s, nbytes = asyncio.run(time_encode(vision.target, item, args.repeat, shared_memory=False))
-            shm_s, shm_bytes = asyncio.run(time_encode(vision.target, item, args.repeat, shared_memory=True))
-            assert shm_bytes == nbytes
+            stub_s, nbytes = asyncio.run(time_encode(vision.target, item, args.repeat, "stub"))
+            grpc_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "bytes"))
+            shm_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "shm"))
             copy_s = memcpy_seconds(nbytes, args.repeat)
             if side <= args.ttft_max_side:
                 fast_ttft, plain_ttft = ttft(fast.target, item, args.ttft_repeat), ttft(plain.target, item, args.ttft_repeat)
             else:
                 fast_ttft = plain_ttft = float("nan")
             rows.append(dict(side=side, rows=nbytes // (HIDDEN * 2), mb=nbytes / 1e6,
+                             stub_ms=stub_s * 1e3, stub_gb_s=nbytes / stub_s / 1e9,
                              grpc_ms=grpc_s * 1e3, grpc_gb_s=nbytes / grpc_s / 1e9,
                              shm_ms=shm_s * 1e3, shm_gb_s=nbytes / shm_s / 1e9,
                              memcpy_gb_s=nbytes / copy_s / 1e9,
@@ -178,13 +191,13 @@ def main() -> int:
     print(json.dumps([{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows], indent=1))
     print(f"\ndevice {args.device}; one image's embedding (rows x {HIDDEN} bf16), encoder cache hit, median of "
           f"{args.repeat}")
-    print(f"{'image':>10} {'MB':>6} | {'gRPC bytes (peer)':>19} | {'shared memory (ours)':>22} | {'memcpy':>8} | "
-          f"{'TTFT ours':>9} {'share':>6} | {'TTFT peer':>9} {'share':>6}")
+    print(f"{'image':>10} {'MB':>6} | {'plain gRPC stub (peer)':>22} | {'ours: bytes':>19} | "
+          f"{'ours: shared memory':>19} | {'memcpy':>10} | {'TTFT shm':>9} {'share':>6} | {'TTFT bytes':>10} {'share':>6}")
     for r in rows:
-        print(f"{r['side']:>5}x{r['side']:<4} {r['mb']:6.1f} | {r['grpc_ms']:7.2f} ms {r['grpc_gb_s']:5.2f} GB/s | "
-              f"{r['shm_ms']:9.2f} ms {r['shm_gb_s']:6.2f} GB/s | {r['memcpy_gb_s']:5.1f} GB/s | "
-              f"{r['ttft_shm_ms']:6.1f} ms {r['shm_share_of_ttft']:6.1%} | {r['ttft_grpc_ms']:6.1f} ms "
-              f"{r['grpc_share_of_ttft']:6.1%}")
+        print(f"{r['side']:>5}x{r['side']:<4} {r['mb']:6.1f} | {r['stub_ms']:8.2f} ms {r['stub_gb_s']:5.2f} GB/s | "
+              f"{r['grpc_ms']:6.2f} ms {r['grpc_gb_s']:5.2f} GB/s | {r['shm_ms']:6.2f} ms {r['shm_gb_s']:5.2f} GB/s | "
+              f"{r['memcpy_gb_s']:5.1f} GB/s | {r['ttft_shm_ms']:6.1f} ms {r['shm_share_of_ttft']:6.1%} | "
+              f"{r['ttft_grpc_ms']:7.1f} ms {r['grpc_share_of_ttft']:6.1%}")
     return 0
 
 
