@@ -101,15 +101,21 @@ def _strip(buf: memoryview, path: tuple[int, ...], found: list, top: bool) -> li
 
 def inject(wire: bytes, path: tuple[int, ...], payloads: list[bytes | None]) -> bytes:
     """`wire` (serialised with the fields at `path` empty) with `payloads[i]` put at `path`
-    inside the i-th occurrence of `path[0]` (None: leave it empty)."""
-    todo = iter(payloads)
-    pieces = _inject(memoryview(wire), path, todo, top=True)
-    if next(todo, StopIteration) is not StopIteration:
+    inside the i-th occurrence of `path[0]` (None: leave it empty). Every payload must land
+    exactly once: ValueError otherwise (a missing sub-message, a repeated one, a count mismatch)."""
+    placed: list[int] = []
+    todo = iter(enumerate(payloads))
+    pieces = _inject(memoryview(wire), path, todo, placed, top=True)
+    if next(todo, None) is not None:
         raise ValueError(f"more payloads than occurrences of field {path[0]}")
+    wanted = [i for i, p in enumerate(payloads) if p]
+    if sorted(placed) != wanted:
+        raise ValueError(f"payloads {wanted} were placed as {sorted(placed)}: the message lacks or repeats "
+                         f"a sub-message on the path {path}")
     return b"".join(pieces)
 
 
-def _inject(buf: memoryview, path: tuple[int, ...], todo, top: bool, payload=None) -> list:
+def _inject(buf: memoryview, path: tuple[int, ...], todo, placed: list, top: bool, payload=None) -> list:
     pieces = []
     for number, kind, start, tag_end, value, end in _fields(buf):
         if number != path[0] or kind != _LEN or len(path) == 1:
@@ -117,9 +123,13 @@ def _inject(buf: memoryview, path: tuple[int, ...], todo, top: bool, payload=Non
             continue
         if top:
             payload = next(todo, None)
-        inner = _inject(buf[value:end], path[1:], todo, top=False, payload=payload)
+            if payload is None:
+                raise ValueError(f"fewer payloads than occurrences of field {path[0]}")
+        inner = _inject(buf[value:end], path[1:], todo, placed, top=False, payload=payload)
         size = sum(len(p) for p in inner)
         pieces += [buf[start:tag_end], _varint(size), *inner]
-    if len(path) == 1 and payload:
-        pieces += [_varint(path[0] << 3 | _LEN), _varint(len(payload)), payload]
+    if len(path) == 1 and payload is not None and payload[1]:
+        index, data = payload
+        placed.append(index)
+        pieces += [_varint(path[0] << 3 | _LEN), _varint(len(data)), data]
     return pieces

@@ -196,7 +196,7 @@ class EncoderService(Service):
         shared = self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer)
         response = pb.EncodeResponse(model_id=self.model_id, weights_fingerprint=self.weights_fingerprint,
                                      modality=self.modality)
-        if sum(len(a.payload) for a in out) <= _INLINE_BYTES:
+        if not shared or sum(len(a.payload) for a in out) <= _INLINE_BYTES:
             payloads = self._wire(response, out, shared)  # a thread hop would cost more than the copies
         else:
             payloads = await loop.run_in_executor(self._pool, self._wire, response, out, shared)

@@ -30,7 +30,7 @@ from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgume
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import from_payload, payload_nbytes
+from modalmesh.rpc.codec import dtype_name, from_payload, payload_nbytes
 from modalmesh.rpc.shm import SharedMemoryGone, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,26 @@ _INLINE_BYTES = 4 << 20  # shared-memory answers this small are copied out on th
 
 
 _DATA_PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data
+_FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 
-def _parse_encode_response(data: bytes) -> tuple[pb.EncodeResponse, list[memoryview | None]]:
-    rest, payloads = wire.strip(data, _DATA_PATH)
-    return pb.EncodeResponse.FromString(rest), payloads
+class _Unparseable:
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _parse_encode_response(data: bytes) -> tuple[pb.EncodeResponse, list[memoryview | None]] | _Unparseable:
+    # Never raises: grpc would log the exception and hand back None.
+    try:
+        rest, payloads = wire.strip(data, _DATA_PATH)
+        return pb.EncodeResponse.FromString(rest), payloads
+    except Exception:  # noqa: BLE001 - e.g. a group field: let protobuf itself try, bytes and all
+        pass
+    try:
+        reply = pb.EncodeResponse.FromString(data)
+    except Exception as exc:  # noqa: BLE001
+        return _Unparseable(f"{type(exc).__name__}: {exc}")
+    return reply, [None] * len(reply.embeddings)
 
 
 class EncoderPool:
@@ -82,7 +97,7 @@ class EncoderPool:
             if offer and self.probe is not None:
                 request.transfer.CopyFrom(self.probe.options())
             try:
-                reply, payloads = await self._encode(request, timeout=remaining, wait_for_ready=True)
+                parsed = await self._encode(request, timeout=remaining, wait_for_ready=True)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
@@ -97,12 +112,19 @@ class EncoderPool:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Unavailable(f"items[{index}]: the encoder pool is overloaded: {detail}") from None
                 raise Unavailable(f"items[{index}]: encoder {self.target} failed: {code.name}: {detail}") from None
+            if isinstance(parsed, _Unparseable):
+                raise ModalmeshError(f"items[{index}]: encoder {self.target} sent an unparseable answer: {parsed.why}")
+            reply, payloads = parsed
             if len(reply.embeddings) != 1:
                 return reply, None  # a count the fan-out refuses
-            if not reply.embeddings[0].embedding.HasField("shared_memory"):
+            meta = reply.embeddings[0].embedding
+            if meta.dtype not in _FLOAT_WIRE:
+                raise ModalmeshError(f"items[{index}]: encoder {self.target} sent an embedding of dtype "
+                                     f"{dtype_name(meta.dtype)}, not a float one")
+            if not meta.HasField("shared_memory"):
                 try:
-                    return reply, from_payload(reply.embeddings[0].embedding, payloads[0] or b"",
-                                               name=f"items[{index}].embedding")
+                    data = payloads[0] if payloads[0] is not None else meta.data
+                    return reply, from_payload(meta, data, name=f"items[{index}].embedding")
                 except InvalidArgument as exc:
                     raise ModalmeshError(f"encoder {self.target} sent a malformed embedding: {exc}") from None
             if not request.HasField("transfer"):
