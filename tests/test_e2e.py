@@ -67,10 +67,15 @@ def image_items(images):
     return [pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data)) for data in images]
 
 
-def counter(proc, rpc="Encode"):
+def metric(proc, name, **labels):
+    """The sum of `name`'s samples on the process's /metrics whose labels include `labels`."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
     return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
-               if s.name == "modalmesh_requests_total" and s.labels.get("rpc") == rpc and s.labels.get("code") == "OK")
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def counter(proc, rpc="Encode"):
+    return metric(proc, "modalmesh_requests_total", rpc=rpc, code="OK")
 
 
 def stop_all(*procs):
@@ -168,13 +173,8 @@ def test_chat_request_with_image_parts(vl, vl_ref):
 
 
 def transfer_bytes(proc, direction):
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-    out = {"grpc": 0.0, "shared_memory": 0.0}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            if s.name == "modalmesh_transfer_bytes_total" and s.labels.get("direction") == direction:
-                out[s.labels["path"]] += s.value
-    return out
+    return {path: metric(proc, "modalmesh_transfer_bytes_total", direction=direction, path=path)
+            for path in ("grpc", "shared_memory")}
 
 
 def slabs_handed_back(proc):

@@ -10,7 +10,7 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument, ResourceExhausted
 from modalmesh.metrics import Metrics
-from modalmesh.rpc.codec import from_proto, to_payload, to_proto
+from modalmesh.rpc.codec import from_payload, from_proto, to_payload, to_proto
 from modalmesh.rpc.server import GrpcServer, ServerConfig
 from modalmesh.service import build_parser
 from services.encoder.batcher import Batcher
@@ -88,7 +88,7 @@ def test_cache_is_lru_bounded_in_bytes_and_reports_the_pool():
     hit = cache.get(b"c")
     assert cache.get(b"b") is None and hit.meta.cache_hit and not one.meta.cache_hit
     assert hit.payload is payload  # a hit shares the bytes, copies nothing
-    assert torch.equal(from_proto(hit.message().embedding), torch.ones(4, 3))
+    assert torch.equal(from_payload(hit.meta.embedding, hit.payload), torch.ones(4, 3))
     assert cache.used_bytes == 2 * size and cache.used_rows == 8
     get = metrics.registry.get_sample_value
     labels = {"service": "audio_encoder", "pool": "embedding_cache"}

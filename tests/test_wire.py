@@ -9,7 +9,7 @@ from modalmesh import pb
 from modalmesh.rpc import wire
 from modalmesh.rpc.codec import to_payload
 
-PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data
+PATH = wire.ENCODE_RESPONSE_BYTES  # EncodeResponse.embeddings[i].embedding.data == (1, 1, 3)
 
 
 def response(seed: int, sizes: list[int]):

@@ -17,7 +17,22 @@ sub-message parses exactly as if the runtime had written it.
 
 from __future__ import annotations
 
+from modalmesh import pb
+
 _LEN = 2  # wire type of length-delimited fields (bytes, strings, sub-messages)
+
+
+def field_path(message, *names: str) -> tuple[int, ...]:
+    """Field numbers along `names` from `message` (a generated class), e.g. embeddings.embedding.data."""
+    out, descriptor = [], message.DESCRIPTOR
+    for name in names:
+        field = descriptor.fields_by_name[name]
+        out.append(field.number)
+        descriptor = field.message_type
+    return tuple(out)
+
+
+ENCODE_RESPONSE_BYTES = field_path(pb.EncodeResponse, "embeddings", "embedding", "data")
 
 
 def _varint(value: int) -> bytes:

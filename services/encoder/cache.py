@@ -31,13 +31,6 @@ class Answer:
     def nbytes(self) -> int:
         return len(self.payload) + self.meta.ByteSize()
 
-    def message(self) -> pb.Embedding:
-        """The Embedding with its bytes inline (one copy into the message)."""
-        out = pb.Embedding()
-        out.CopyFrom(self.meta)
-        out.embedding.data = self.payload
-        return out
-
 
 class EmbeddingCache:
     def __init__(self, capacity_bytes: int, *, bytes_per_row: int, metrics: Metrics | None = None):

@@ -29,7 +29,6 @@ from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 
 _INLINE_BYTES = 4 << 20  # answers this small are put on the wire on the event loop
-DATA_PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data, for modalmesh.rpc.wire
 
 
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
@@ -211,8 +210,8 @@ class EncoderService(Service):
         if not any(payloads):
             return response
         if sent["grpc"] <= _INLINE_BYTES:
-            return wire.inject(response.SerializeToString(), DATA_PATH, payloads)
-        return await loop.run_in_executor(self._pool, wire.inject, response.SerializeToString(), DATA_PATH, payloads)
+            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
+        return await loop.run_in_executor(self._pool, wire.inject, response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
 
     def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> list[bytes | None]:
         """The answers into `response` without their bytes; returns the bytes each one still needs in

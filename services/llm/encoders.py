@@ -40,7 +40,6 @@ _MAX_ATTEMPTS = 4
 _INLINE_BYTES = 4 << 20  # shared-memory answers this small are copied out on the event loop
 
 
-_DATA_PATH = (1, 1, 3)  # EncodeResponse.embeddings[i].embedding.data
 _FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 
@@ -52,7 +51,7 @@ class _Unparseable:
 def _parse_encode_response(data: bytes) -> tuple[pb.EncodeResponse, list[memoryview | None]] | _Unparseable:
     # Never raises: grpc would log the exception and hand back None.
     try:
-        rest, payloads = wire.strip(data, _DATA_PATH)
+        rest, payloads = wire.strip(data, wire.ENCODE_RESPONSE_BYTES)
         return pb.EncodeResponse.FromString(rest), payloads
     except Exception:  # noqa: BLE001 - e.g. a group field: let protobuf itself try, bytes and all
         pass
@@ -124,7 +123,10 @@ class EncoderPool:
             if not meta.HasField("shared_memory"):
                 try:
                     data = payloads[0] if payloads[0] is not None else meta.data
-                    return reply, from_payload(meta, data, name=f"items[{index}].embedding")
+                    view = from_payload(meta, data, name=f"items[{index}].embedding")
+                    # Out of the received message (read-only, any alignment, kept alive whole by a view),
+                    # onto the LLM's device in the same copy.
+                    return reply, view.to(self.device, copy=True) if self.device is not None else view.clone()
                 except InvalidArgument as exc:
                     raise ModalmeshError(f"encoder {self.target} sent a malformed embedding: {exc}") from None
             if not request.HasField("transfer"):

@@ -180,10 +180,7 @@ class LLMService(Service):
         prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
                               spatial_merge=self.spatial_merge, decoded=decoded)
         for span in prompt.spans:
-            moved = span.embedding.to(self.device, self.dtype)
-            if moved.data_ptr() == span.embedding.data_ptr():  # still a view of a received message's bytes:
-                moved = moved.clone()  # read-only memory at any alignment, kept alive by the whole message
-            span.embedding = moved
+            span.embedding = span.embedding.to(self.device, self.dtype)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[Delta] = asyncio.Queue()
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
