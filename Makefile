@@ -22,7 +22,7 @@ run: setup
 	$(VENV)/bin/modalmesh up
 
 test: setup
-	$(PY) -m pytest -q
+	PY=$(PY) scripts/test.sh
 
 protos: setup
 	$(PY) modalmesh/_protogen.py

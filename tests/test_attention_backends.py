@@ -1,4 +1,4 @@
-"""Every backend agrees with torch_naive: FP32 on CPU, bf16 on CUDA (skipped without CUDA).
+"""Every backend agrees with torch_naive: FP32 on CPU, bf16 on CUDA (those need a GPU).
 
 Expected values never come from the backend machinery under test: dense cases
 call `reference_attention` directly, packed cases loop over sequences, paged
@@ -193,30 +193,40 @@ def test_reference_single_key_returns_value_and_masked_row_is_zero():
     assert torch.equal(out[:2], torch.zeros(2, 1, 4)) and torch.allclose(out[2], v2[0])
 
 
-# ---- CUDA, bf16 (the lead runs these on the H200) ----------------------------------------------
+# ---- CUDA, bf16 (run on the H200 through the device tool) ------------------------------------------
+# Kernels outside the install (the `flash` extra, the carried FA3 wheel): the only backends that may be
+# missing on a CUDA machine, and only because their package is not installed.
+OPTIONAL_WHEELS = {"fa2", "fa3"}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "torch_varlen",
-                                  "fa2", "fa3", "triton_paged", "torch_naive"])
-def test_cuda_bf16_agrees_with_naive(name, case):
+def test_cuda_bf16_every_backend_agrees_with_naive(case):
     from modalmesh.attention import detect_platform
 
     platform = detect_platform("cuda")
-    probe = registry.probe(name)
-    if not probe.ok:
-        pytest.skip(f"{name} unavailable: {probe.reason}")
-    case = case if case.layout != "paged" else _page_multiple(case, probe.spec.page_size_multiple)
-    why = unmet(probe.spec, case.needs(torch.bfloat16), platform)
-    if why:
-        pytest.skip(f"{name} declares no support on {platform.describe()}: {'; '.join(why)}")
-    call, _ = make_inputs(case, "cuda", torch.bfloat16)
-    # Oracle in FP32 from the same bf16-rounded inputs.
-    ref_call = (call[0], tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in call[1]),
-                call[2])
-    expected = run_backend(registry.probe("torch_naive").backend, ref_call)
-    out = run_backend(probe.backend, call)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), expected, **BF16)
+    ran, gaps = [], {}
+    for name in registry.names():
+        probe = registry.probe(name)
+        if not probe.ok:
+            assert name in OPTIONAL_WHEELS and probe.reason.startswith(("ImportError", "ModuleNotFoundError")), (
+                f"{name} failed to load on {platform.describe()}: {probe.reason}")
+            continue
+        this = case if case.layout != "paged" else _page_multiple(case, probe.spec.page_size_multiple)
+        why = unmet(probe.spec, this.needs(torch.bfloat16), platform)
+        if why:  # declared unsupported: the selector never routes this case here
+            gaps[name] = why
+            continue
+        call, _ = make_inputs(this, "cuda", torch.bfloat16)
+        # Oracle in FP32 from the same bf16-rounded inputs.
+        ref_call = (call[0], tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                   for a in call[1]), call[2])
+        expected = run_backend(registry.probe("torch_naive").backend, ref_call)
+        out = run_backend(probe.backend, call)
+        assert out.dtype == torch.bfloat16, name
+        torch.testing.assert_close(out.float(), expected, **BF16, msg=lambda m, n=name: f"{n}: {m}")
+        ran.append(name)
+    assert "torch_naive" in ran and len(ran) > 1, (ran, gaps)
 
 
 def _page_multiple(case: Case, multiple: int) -> Case:
