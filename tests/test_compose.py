@@ -362,6 +362,14 @@ def test_prometheus_scrapes_every_replica(stack):
         for ip in stack.ips(s):
             m = by_instance.get(f"{ip}:9400")
             assert m and m["service"] == s and m["backend"] and m["reason"], (s, ip, m)
-    # Both vision replicas' Encode counters, as Prometheus sees them.
-    enc = _query(prom, 'modalmesh_requests_total{service="vision_encoder",rpc="Encode"}')
-    assert {r["metric"]["instance"] for r in enc} == {f"{ip}:9400" for ip in stack.ips("vision_encoder")}
+    # Both vision replicas' Encode counters, as Prometheus sees them. A counter series exists from a
+    # replica's first Encode on, and Prometheus has it from its next scrape (5 s): wait, bounded.
+    replicas = {f"{ip}:9400" for ip in stack.ips("vision_encoder")}
+    deadline = time.monotonic() + 60
+    while True:
+        enc = _query(prom, 'modalmesh_requests_total{service="vision_encoder",rpc="Encode"}')
+        seen = {r["metric"]["instance"] for r in enc}
+        if seen == replicas or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert seen == replicas
