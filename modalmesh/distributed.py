@@ -14,15 +14,19 @@ never touches torch.distributed.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class TPGroup:
 
 _SINGLE = TPGroup(rank=0, size=1, group=None)
 _tp: TPGroup = _SINGLE
+_joined = False  # this process has been a rank of a group of several (see exit_rank)
 
 
 def tp_rank() -> int:
@@ -62,7 +67,7 @@ def init_tp(
     timeout_s: float = 300.0,
 ) -> TPGroup:
     """Join the tensor-parallel group of this service (all ranks of the process group)."""
-    global _tp
+    global _tp, _joined
     if world_size == 1:
         _tp = _SINGLE
         return _tp
@@ -78,14 +83,32 @@ def init_tp(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     _tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)
+    _joined = True
     return _tp
 
 
-def destroy_tp() -> None:
+def joined_a_group() -> bool:
+    """Whether this process has been a rank of a group of several: such a process ends with `exit_rank`."""
+    return _joined
+
+
+def destroy_tp(timeout_s: float | None = None) -> bool:
+    """Leave the group (every rank does, at about the same time). With `timeout_s`, give up waiting for
+    the teardown after that long and go on as rank 0 of 1: False then, and the process should exit soon."""
     global _tp
-    if _tp.group is not None and dist.is_initialized():
+    group, _tp = _tp, _SINGLE
+    if group.group is None or not dist.is_initialized():
+        return True
+    if timeout_s is None:
         dist.destroy_process_group()
-    _tp = _SINGLE
+        return True
+    done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("the tensor-parallel group's teardown did not finish within %.0f s", timeout_s)
+        return False
+    return True
 
 
 def _comm_device() -> torch.device:
@@ -99,6 +122,15 @@ def agree_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_tp.group)
     return int(t.item())
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's picklable `obj`, in rank order ([obj] at TP=1): start-up reports, not step data."""
+    if _tp.size == 1:
+        return [obj]
+    out: list[object] = [None] * _tp.size
+    dist.all_gather_object(out, obj, group=_tp.group)
+    return out
 
 
 def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:

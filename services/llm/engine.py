@@ -15,15 +15,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from modalmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
-from modalmesh.kv.pool import KVPool
 from modalmesh.metrics import Metrics
 from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
+from services.llm.request import Delta, RequestState
 from services.llm.runner import ModelRunner
 from services.llm.sampling import SamplerRow, SamplingParams
 from services.llm.scheduler import Scheduler, Sequence, SeqStatus
@@ -31,53 +30,27 @@ from services.llm.scheduler import Scheduler, Sequence, SeqStatus
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Delta:
-    """What one request gets from one step (or at its end)."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: BaseException | None = None
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    params: SamplingParams
-    prompt: PreparedPrompt
-    sampler: SamplerRow
-    detokenizer: IncrementalDetokenizer
-    emit: Callable[[Delta], None]
-    arrival: float = field(default_factory=time.perf_counter)
-    last_token_at: float | None = None
-
-
 class LLMEngine:
-    def __init__(self, model, pool: KVPool, tokenizer, *, eos_token_ids: tuple[int, ...], vocab_size: int,
-                 max_model_len: int, device: torch.device, metrics: Metrics, max_num_seqs: int = 256,
-                 max_batch_tokens: int = 8192, max_prefill_chunk: int | None = None, max_queue: int = 1024,
-                 cuda_graphs: bool = True):
-        self.model = model
-        self.pool = pool
+    """Rank 0's engine over a `ModelRunner` (which, under TP, drives the other ranks)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, *, eos_token_ids: tuple[int, ...], metrics: Metrics):
+        config = runner.config
+        self.runner = runner
+        self.pool = runner.pool
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.device = device
+        self.vocab_size = runner.model_config.vocab_size
+        self.max_model_len = config.max_model_len
+        self.device = runner.device
         self.metrics = metrics
-        self.max_queue = max_queue
-        self.scheduler = Scheduler(pool.allocator, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
-                                   max_prefill_chunk=max_prefill_chunk)
-        self.runner = ModelRunner(model, pool, device, max_model_len, cuda_graphs=cuda_graphs,
-                                  max_num_seqs=max_num_seqs)
+        self.max_queue = config.max_queue
+        self.scheduler: Scheduler = Scheduler(self.pool.allocator, max_num_seqs=config.max_num_seqs,
+                                              max_batch_tokens=config.max_batch_tokens,
+                                              max_prefill_chunk=config.max_prefill_chunk)
         self._inbox: queue.Queue = queue.Queue()
         self._pending = 0  # added but not yet taken by the worker
         self._lock = threading.Lock()
-        self._live: dict[str, Sequence] = {}
+        self._live: dict[str, Sequence[RequestState]] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0
         # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (forward +
@@ -120,7 +93,7 @@ class LLMEngine:
                                    stop=params.stop),
             emit,
         )
-        self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, payload=state)))
+        self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -176,7 +149,7 @@ class LLMEngine:
         now = time.perf_counter()
         batched: dict[asyncio.AbstractEventLoop, list] = {}
         for s in sampled:
-            state: RequestState = s.chunk.seq.payload
+            state = s.chunk.seq.state
             delta = self._on_token(s.chunk.seq, s.token, s.logprob, now)
             if isinstance(state.emit, ThreadSafeEmitter):
                 batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
@@ -190,8 +163,8 @@ class LLMEngine:
         phases["model"] += t2 - t1
         phases["post"] += time.perf_counter() - t2
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, now: float) -> Delta:
-        state: RequestState = seq.payload
+    def _on_token(self, seq: Sequence[RequestState], token: int, logprob: float, now: float) -> Delta:
+        state = seq.state
         params = state.params
         if state.last_token_at is None:
             self.metrics.time_to_first_token_seconds.observe(now - state.arrival)
@@ -220,13 +193,13 @@ class LLMEngine:
             delta.completion_tokens = len(seq.output_ids)
         return delta
 
-    def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
+    def _fail(self, seqs: list[Sequence[RequestState]], exc: BaseException) -> None:
         for seq in seqs:
             if seq.status is SeqStatus.FINISHED:
                 continue
             self._live.pop(seq.seq_id, None)
             self.scheduler.finish(seq, "abort")
-            seq.payload.emit(Delta(finish_reason="abort", error=exc))
+            seq.state.emit(Delta(finish_reason="abort", error=exc))
         self.pool.publish()
 
     def _abort_all(self, why: str) -> None:
@@ -237,7 +210,7 @@ class LLMEngine:
             except queue.Empty:
                 break
             if kind == "add":
-                value.payload.emit(Delta(finish_reason="abort", error=Unavailable(why)))
+                value.state.emit(Delta(finish_reason="abort", error=Unavailable(why)))
 
     @property
     def num_running(self) -> int:

@@ -3,9 +3,11 @@
 A decode step (one new token per sequence) has the same kernels every time;
 only the inputs change. Each bucket's forward is captured once, reading from
 static buffers (token ids, positions, KV slots, block table, context lengths);
-a step copies its inputs into the buffers, pads the batch to the bucket —
-padding rows have context length 0 and write their k/v to a scratch page the
-runner owns — and replays. This removes the per-layer Python and launch
+a step copies its inputs into the buffers — rank 0 has padded them to the
+bucket: padding rows have context length 0 and write their k/v to rank 0's
+scratch page — and replays. Under tensor parallelism every rank captures the
+same buckets in the same order, all-reduces included, and replays the bucket
+named in the step's inputs. This removes the per-layer Python and launch
 overhead that dominates small-batch decode. Needs a graph-safe attention
 backend (`triton_paged`: device-side lengths, no host synchronisation).
 """
@@ -17,6 +19,7 @@ import logging
 import torch
 
 from modalmesh.attention import PagedMetadata
+from services.llm.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -81,25 +84,23 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def fits(self, n: int) -> bool:
-        return n <= self.sizes[-1]
+    def bucket(self, n: int) -> int:
+        """The captured batch size a decode step of `n` sequences replays (0: larger than any)."""
+        return next((b for b in self.sizes if b >= n), 0)
 
-    def run(self, input_ids: list[int], positions: torch.Tensor, slots: list[int], block_rows: list[list[int]],
-            context_lens: list[int]) -> torch.Tensor:
-        """Hidden states (n, H) of n decoding sequences, replayed from the smallest bucket that fits."""
-        n = len(input_ids)
-        b = next(s for s in self.sizes if s >= n)
-        width = max(len(r) for r in block_rows)
-        table = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32)
-        pad = b - n
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states (b, H) of a decode step whose inputs rank 0 padded to the bucket b."""
+        b = inputs.graph_batch
+        width = inputs.block_table.shape[1]
+        self.input_ids[:b].copy_(inputs.input_ids)
         if self.uses_mrope:
-            self.positions[:, :b].copy_(torch.cat([positions, torch.zeros(3, pad, dtype=torch.long)], dim=1),
-                                        non_blocking=True)
+            self.positions[:, :b].copy_(inputs.positions if inputs.positions.dim() == 2 else
+                                        inputs.positions.expand(3, -1))
         else:
-            self.positions[:b].copy_(torch.cat([positions, torch.zeros(pad, dtype=torch.long)]), non_blocking=True)
-        self.slot_mapping[:b].copy_(torch.tensor(slots + [self.scratch_slot] * pad), non_blocking=True)
-        self.context_lens[:b].copy_(torch.tensor(context_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_table[:n, :width].copy_(table, non_blocking=True)
+            self.positions[:b].copy_(inputs.positions)
+        self.slot_mapping[:b].copy_(inputs.slot_mapping)
+        self.context_lens[:b].copy_(inputs.context_lens_t)
+        # Columns past `width` keep pages of earlier steps: never read, the context lengths stop short.
+        self.block_table[:b, :width].copy_(inputs.block_table)
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b]

@@ -1,12 +1,16 @@
 """Build the LLM service's language model from a checkpoint directory.
 
-    model, cfg, report = load_llm("/models/Qwen2-VL-7B-Instruct", device="cuda", dtype=torch.bfloat16)
+    model, cfg, report = load_llm("/models/Qwen2-VL-7B-Instruct", device="cuda", dtype=torch.bfloat16,
+                                  selector=AttentionSelector("llm=fa3", device="cuda"))
 
 The model is built on the meta device (no memory), then only the language
 model's tensors are read (the family's ``checkpoint_prefixes``: a multimodal
 checkpoint's vision / audio towers are never opened), mapped by its rules and
 copied strictly into parameters materialised on `device` in `dtype`.
-``dummy=True`` gives random weights of the same shapes (benchmarks).
+``dummy=True`` gives random weights of the same shapes (benchmarks). The
+attention selector is the caller's (each TP rank builds one from the service's
+config); without one, a selector with automatic choices for `device` is built
+here — never the process-wide one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from modalmesh.attention import AttentionSelector
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.weights import LoadReport, load_checkpoint
@@ -38,12 +43,15 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
 
 
 def load_llm(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype | str | None,
-             page_size: int = 16, dummy: bool = False) -> tuple[CausalLM, ModelConfig, LoadReport]:
+             page_size: int = 16, dummy: bool = False,
+             selector: AttentionSelector | None = None) -> tuple[CausalLM, ModelConfig, LoadReport]:
     cfg = ModelConfig.from_hf(model_dir)
     cls = model_class(cfg)
     dtype = resolve_dtype(dtype, cfg)
+    if selector is None:
+        selector = AttentionSelector("", device=device)
     with torch.device("meta"):
-        model = cls(cfg, dtype=dtype, page_size=page_size)
+        model = cls(cfg, selector=selector, dtype=dtype, page_size=page_size)
     report = load_checkpoint(model, model_dir, mapper=cls.weights_mapper, stacked=cls.stacked_params,
                              prefixes=cls.checkpoint_prefixes, device=device, dtype=dtype, dummy=dummy)
     return model.eval(), cfg, report

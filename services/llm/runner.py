@@ -1,9 +1,21 @@
-"""One engine step on the model: batch tensors from the scheduled chunks, forward, sample.
+"""The model on one rank: one `ModelRunner(config)` per tensor-parallel rank, the same code on each.
+
+Every rank builds the same things from the same `LLMConfig` (its own `rank`):
+its attention selector, its shard of the model, its shard of the KV pool (the
+same pages on every rank: one block table serves all), and, on CUDA, its decode
+graphs. Then (nano-vllm's `call` / `loop`):
+
+    rank 0:      sampled = runner.run(step)   # prepare -> call: publish the inputs, execute locally -> sample
+    ranks >= 1:  runner.loop()                # receive the inputs, execute, until rank 0 stops the group
+
+`execute` is the one forward path of every rank: a decode step that fits a
+captured bucket replays its CUDA graph (all-reduces included), anything else
+runs eagerly; the layers meet in their all-reduces and the LM head's
+all-gather. Only rank 0 samples.
 
 All sequences' new tokens are packed into one forward (T = sum of chunk
-lengths) over the paged KV pool; metadata is built once per step and shared by
-every layer. Multimodal rows replace the placeholder tokens' embeddings in the
-chunks that cover them.
+lengths) over the paged KV pool. Multimodal rows replace the placeholder
+tokens' embeddings in the chunks that cover them.
 """
 
 from __future__ import annotations
@@ -13,16 +25,19 @@ from dataclasses import dataclass
 
 import torch
 
-from modalmesh.attention import Attention, PagedMetadata
-from modalmesh.distributed import tp_size
-from modalmesh.kv.pool import KVPool
+from modalmesh import distributed
+from modalmesh.attention import Attention, AttentionSelector, PagedMetadata
+from modalmesh.errors import ConfigError
+from modalmesh.kv.pool import build_kv_pool
 from modalmesh.layers.rotary import RotaryEmbedding
+from modalmesh.metrics import Metrics
+from services.llm.config import LLMConfig
 from services.llm.graphs import GRAPH_SAFE_BACKENDS, DecodeGraphs
-from services.llm.inputs import PreparedPrompt
+from services.llm.loader import load_llm
+from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
-from services.llm.tp import StepChannel, StepInputs
-from services.llm.scheduler import Chunk, Step
-
+from services.llm.scheduler import Chunk, Sequence, Step
+from services.llm.step_inputs import StepChannel, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -34,36 +49,165 @@ class Sampled:
     logprob: float
 
 
-class ModelRunner:
-    def __init__(self, model, pool: KVPool, device: torch.device, max_model_len: int | None = None, *,
-                 cuda_graphs: bool = False, max_num_seqs: int = 256):
-        self.model = model
-        # Tensor parallel (rank 0 of a group): broadcast each step to the worker ranks; graphs stay off.
-        self.channel = StepChannel(device, model.cfg.hidden_size, model.dtype) if tp_size() > 1 else None
-        cuda_graphs = cuda_graphs and self.channel is None
-        self.pool = pool
-        self.device = device
-        if max_model_len:
-            for module in model.modules():
-                if isinstance(module, RotaryEmbedding):
-                    module.ensure(max_model_len + 1)
-        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        self.kv_caches = [pool.layer(i) for i in range(pool.layout.num_layers)]
-        self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda" and max_model_len:
-            backends = {m.backend_name for m in model.modules() if isinstance(m, Attention)}
-            if backends <= GRAPH_SAFE_BACKENDS:
-                self.graphs = DecodeGraphs(model, pool, self.kv_caches, device, max_batch=max_num_seqs,
-                                           max_model_len=max_model_len, uses_mrope=self.uses_mrope)
-                self.graphs.capture()
-            else:
-                log.warning("decode runs eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
-                            sorted(backends))
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank built: its attention choices and whether it captured decode graphs."""
 
-    def _positions(self, chunk: Chunk, prompt: PreparedPrompt) -> torch.Tensor:
+    rank: int
+    attention: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...]  # (component, backend, why, rejected)
+    cuda_graphs: bool
+
+
+class ModelRunner:
+    @classmethod
+    def launch(cls, config: LLMConfig, metrics: Metrics | None = None) -> ModelRunner:
+        """Rank 0 of `config`'s group in this process, ranks 1..N-1 spawned as children it owns."""
+        if config.world_size == 1:
+            return cls(config, metrics)
+        from services.llm.tp import RankWorkers
+
+        workers = RankWorkers(config)
+        workers.start()
+        try:
+            runner = cls(workers.config, metrics)
+        except BaseException:
+            workers.kill()
+            raise
+        runner.workers = workers
+        return runner
+
+    def __init__(self, config: LLMConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.workers = None  # rank 0 of a group started by `launch`: the other ranks' processes
+        self.rank = config.rank
+        self.device = config.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if config.world_size > 1:
+            distributed.init_tp(config.rank, config.world_size, backend=distributed.default_backend(self.device),
+                                init_method=f"tcp://127.0.0.1:{config.dist_port}")
+        self.metrics = metrics or Metrics(f"llm-rank{config.rank}", process_metrics=False)
+        # Built here, on every rank, from the config: what --attention-backend says reaches every rank.
+        self.selector = AttentionSelector(config.attention_backend, device=self.device, metrics=self.metrics)
+        self.model, self.model_config, _ = load_llm(config.model_dir, device=self.device, dtype=config.dtype,
+                                                    page_size=config.page_size, dummy=config.dummy_weights,
+                                                    selector=self.selector)
+        self.pool = build_kv_pool(self.model_config, self.device, max_model_len=config.max_model_len,
+                                  dtype=config.dtype, tp_size=config.world_size, page_size=config.page_size,
+                                  kv_cache_tokens=config.kv_cache_tokens, mem_fraction=config.mem_fraction,
+                                  metrics=self.metrics)
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.ensure(config.max_model_len + 1)
+        self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
+        self.kv_caches = [self.pool.layer(i) for i in range(self.pool.layout.num_layers)]
+        self.channel = StepChannel(self.device, config.world_size)
+        self.graphs = self._capture_graphs()
+        self.reports = self._gather_reports()
+        self._stopped = False
+
+    # ---- start-up -----------------------------------------------------------------------
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+            return None
+        backends = {m.backend_name for m in self.model.modules() if isinstance(m, Attention)}
+        if not backends <= GRAPH_SAFE_BACKENDS:
+            log.warning("decode runs eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
+                        sorted(backends))
+            return None
+        graphs = DecodeGraphs(self.model, self.pool, self.kv_caches, self.device, max_batch=self.config.max_num_seqs,
+                              max_model_len=self.config.max_model_len, uses_mrope=self.uses_mrope)
+        graphs.capture()  # every rank in the same order: the warm-up forwards meet in their all-reduces
+        return graphs
+
+    def _gather_reports(self) -> list[RankReport]:
+        choices = tuple((s.component, s.backend, s.reason, tuple(s.rejected.items()))
+                        for s in self.selector.selections())
+        mine = RankReport(self.rank, choices, self.graphs is not None)
+        reports = distributed.all_gather_object(mine)
+        if len({r.cuda_graphs for r in reports}) > 1:  # a step replays on every rank or on none
+            raise ConfigError(f"tensor-parallel ranks disagree on CUDA graphs: {reports}")
+        return reports
+
+    # ---- rank 0 -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, step: Step) -> list[Sampled]:
+        """Rank 0: one scheduled step on every rank; the sampled token of each chunk that ends its sequence."""
+        inputs = self.prepare(step)
+        logits = self.call(inputs)
+        sampled = [c for c in step.chunks if c.sample]
+        if logits is None:
+            return []
+        rows: list[SamplerRow] = [c.seq.state.sampler for c in sampled]
+        tokens, logprobs = sample(logits, rows)
+        return [Sampled(c, t, lp) for c, t, lp in zip(sampled, tokens.tolist(), logprobs.tolist())]
+
+    def call(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Rank 0: hand `inputs` to every rank, then run them here."""
+        return self.execute(self.channel.publish(inputs))
+
+    def prepare(self, step: Step) -> StepInputs:
+        """Rank 0: the step's inputs on the host, from the scheduled chunks and the page allocator."""
+        if self.graphs is not None and self._is_decode(step):
+            bucket = self.graphs.bucket(len(step.chunks))
+            if bucket:
+                return self._prepare_decode(step, bucket)
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
+        query_lens, context_lens, seq_ids, sample_rows = [], [], [], []
+        for chunk in step.chunks:
+            seq: Sequence[RequestState] = chunk.seq
+            prompt = seq.state.prompt
+            start, end = chunk.start, chunk.start + chunk.length
+            base = len(ids)
+            ids += seq.token_ids(start, end)
+            positions.append(self._positions(chunk))
+            for span in prompt.spans:
+                lo, hi = max(start, span.start), min(end, span.end)
+                if lo < hi:
+                    splices.append((base + lo - start, span.embedding[lo - span.start:hi - span.start]))
+            query_lens.append(chunk.length)
+            context_lens.append(end)
+            seq_ids.append(seq.seq_id)
+            if chunk.sample:
+                sample_rows.append(len(ids) - 1)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions, dim=-1),
+            query_lens=tuple(query_lens), context_lens=tuple(context_lens),
+            block_table=torch.tensor(self.pool.allocator.block_table(seq_ids), dtype=torch.int64),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64), has_embeds=bool(splices),
+            splices=tuple(splices))
+
+    def _prepare_decode(self, step: Step, bucket: int) -> StepInputs:
+        # Plain Python per sequence (no small tensors): at batch 256 this loop is on every step.
+        alloc, page = self.pool.allocator, self.pool.page_size
+        n, pad = len(step.chunks), bucket - len(step.chunks)
+        ids, slots, rows, lens, positions = [], [], [], [], []
+        for c in step.chunks:
+            seq: Sequence[RequestState] = c.seq
+            pages = alloc.pages(seq.seq_id)
+            ids.append(seq.output_ids[c.start - len(seq.prompt_ids)])  # the last sampled token
+            slots.append(pages[c.start // page] * page + c.start % page)
+            rows.append(pages)
+            lens.append(c.start + 1)
+            positions.append(c.start + (seq.state.prompt.mrope_delta if self.uses_mrope else 0))
+        width = max(len(r) for r in rows)
+        table = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * pad
+        pos = torch.tensor(positions + [0] * pad, dtype=torch.int64)
+        return StepInputs(
+            input_ids=torch.tensor(ids + [0] * pad, dtype=torch.int64),
+            positions=pos.expand(3, -1) if self.uses_mrope else pos,
+            query_lens=(1,) * bucket, context_lens=tuple(lens + [0] * pad),
+            block_table=torch.tensor(table, dtype=torch.int64), sample_rows=torch.arange(n, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots + [self.graphs.scratch_slot] * pad, dtype=torch.int64),
+            graph_batch=bucket)
+
+    def _positions(self, chunk: Chunk) -> torch.Tensor:
         start, end = chunk.start, chunk.start + chunk.length
         if not self.uses_mrope:
             return torch.arange(start, end)
+        prompt = chunk.seq.state.prompt
         if prompt.mrope is None:  # text only: the three axes coincide
             return torch.arange(start, end).expand(3, -1)
         n_prompt = len(chunk.seq.prompt_ids)
@@ -74,76 +218,54 @@ class ModelRunner:
             parts.append((torch.arange(max(start, n_prompt), end) + prompt.mrope_delta).expand(3, -1))
         return torch.cat(parts, dim=1)
 
-    def _is_decode(self, step: Step) -> bool:
+    @staticmethod
+    def _is_decode(step: Step) -> bool:
         return all(c.length == 1 and c.sample and c.start >= len(c.seq.prompt_ids) for c in step.chunks)
 
-    def _run_graph(self, step: Step) -> torch.Tensor:
-        # Plain Python per sequence (no small tensors): at batch 256 this loop is on every step.
-        alloc = self.pool.allocator
-        ids, slots, rows, lens, positions = [], [], [], [], []
-        for c in step.chunks:
-            seq = c.seq
-            ids.append(seq.output_ids[c.start - len(seq.prompt_ids)])  # decode: the last sampled token
-            slots += alloc.slot_mapping(seq.seq_id, c.start, c.start + 1)
-            rows.append(alloc.pages(seq.seq_id))
-            lens.append(c.start + 1)
-            prompt = seq.payload.prompt
-            positions.append(c.start + (prompt.mrope_delta if self.uses_mrope else 0))
-        pos = torch.tensor(positions)
-        return self.graphs.run(ids, pos.expand(3, -1) if self.uses_mrope else pos, slots, rows, lens)
+    def shutdown(self) -> None:
+        """Rank 0: stop the ranks' loops and tear the group down with them (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.config.world_size == 1:
+            return
+        if self.workers is not None:
+            self.workers.stopping()
+        self.channel.publish_stop()
+        # Every rank tears the group down right after the stop message: NCCL's teardown may wait for its peers.
+        distributed.destroy_tp(timeout_s=30.0)
+        if self.workers is not None:
+            codes = self.workers.join()
+            if any(code != 0 for code in codes):
+                log.warning("tensor-parallel ranks exited with %s", codes)
 
+    # ---- ranks >= 1 ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, step: Step) -> list[Sampled]:
-        if self.graphs is not None and self._is_decode(step) and self.graphs.fits(len(step.chunks)):
-            hidden = self._run_graph(step)
-            return self._sample(step.chunks, hidden, torch.arange(len(step.chunks), device=self.device))
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
-        query_lens, context_lens, seq_ids = [], [], []
-        for chunk in step.chunks:
-            seq, prompt = chunk.seq, chunk.seq.payload.prompt
-            start, end = chunk.start, chunk.start + chunk.length
-            base = len(ids)
-            ids += seq.token_ids(start, end)
-            positions.append(self._positions(chunk, prompt))
-            for span in prompt.spans:
-                lo, hi = max(start, span.start), min(end, span.end)
-                if lo < hi:
-                    splices.append((base + lo - start, span.embedding[lo - span.start:hi - span.start]))
-            query_lens.append(chunk.length)
-            context_lens.append(end)
-            seq_ids.append(seq.seq_id)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions, dim=-1).to(self.device)
-        block_table = self.pool.block_table(seq_ids)
-        sampled_chunks = [c for c in step.chunks if c.sample]
-        ends = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        rows_index = ends[torch.tensor([i for i, c in enumerate(step.chunks) if c.sample], dtype=torch.long,
-                                       device=self.device)]
-        if self.channel is not None:  # tensor parallel: the other ranks run this same step
-            self.channel.send(StepInputs(input_ids, pos, query_lens, context_lens, block_table, rows_index,
-                                         bool(splices)))
-        meta = PagedMetadata.build(query_lens, context_lens, block_table, self.pool.page_size)
-        inputs_embeds = None
-        if splices:
-            inputs_embeds = self.model.embed(input_ids)
-            for row, rows in splices:
-                inputs_embeds[row:row + rows.shape[0]] = rows.to(inputs_embeds.dtype)
-            if self.channel is not None:
-                self.channel.embeds(inputs_embeds)
-        hidden = self.model(pos, meta, self.kv_caches, input_ids=None if splices else input_ids,
-                            inputs_embeds=inputs_embeds)
-        if not sampled_chunks:
-            return []
-        return self._sample(sampled_chunks, hidden, rows_index)
+    def loop(self) -> None:
+        """Ranks >= 1: run every step rank 0 publishes, until it stops the group."""
+        try:
+            while (inputs := self.channel.receive()) is not None:
+                self.execute(inputs)
+        finally:
+            self._stopped = True
+            distributed.destroy_tp()
 
-    def stop_workers(self) -> None:
-        if self.channel is not None:
-            self.channel.send_stop()
-
-    def _sample(self, sampled_chunks: list[Chunk], hidden: torch.Tensor, rows_index: torch.Tensor) -> list[Sampled]:
-        logits = self.model.compute_logits(hidden[rows_index])
-        rows: list[SamplerRow] = [c.seq.payload.sampler for c in sampled_chunks]
-        tokens, logprobs = sample(logits, rows)
-        return [Sampled(c, t, lp) for c, t, lp in zip(sampled_chunks, tokens.tolist(), logprobs.tolist())]
+    # ---- every rank ---------------------------------------------------------------------
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """One forward of the step on this rank: float32 logits of the sampled rows (None if none)."""
+        if inputs.graph_batch:
+            hidden = self.graphs.run(inputs)
+        else:
+            meta = PagedMetadata.build(inputs.query_lens, inputs.context_lens, inputs.block_table,
+                                       self.pool.page_size, slot_mapping=inputs.slot_mapping)
+            embeds = None
+            if inputs.has_embeds:
+                embeds = self.model.embed(inputs.input_ids)  # sharded: every rank takes part
+                for row, rows in inputs.splices:  # rank 0 only; the others receive the result
+                    embeds[row:row + rows.shape[0]] = rows.to(embeds.dtype)
+                embeds = self.channel.share_embeds(embeds)
+            hidden = self.model(inputs.positions, meta, self.kv_caches,
+                                input_ids=None if embeds is not None else inputs.input_ids, inputs_embeds=embeds)
+        if not inputs.sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows])  # its all-gather needs every rank

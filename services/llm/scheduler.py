@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Generic, TypeVar
 
 from modalmesh.kv.allocator import PageAllocator
 
@@ -29,14 +29,15 @@ class SeqStatus(Enum):
 
 
 _arrivals = itertools.count()
+StateT = TypeVar("StateT")
 
 
 @dataclass(eq=False)
-class Sequence:
+class Sequence(Generic[StateT]):
     seq_id: Hashable
     prompt_ids: list[int]
     max_tokens: int
-    payload: Any = None  # the engine's per-request state
+    state: StateT | None = None  # the engine's per-request state (services.llm.request.RequestState)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING

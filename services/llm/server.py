@@ -11,23 +11,20 @@ import argparse
 import asyncio
 import uuid
 
-import torch
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
-from modalmesh.kv.pool import build_kv_pool
 from modalmesh.service import Service
-from modalmesh.rpc.server import MiB
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
+from services.llm.config import LLMConfig
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
 from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
 from services.llm.sampling import SamplingParams
-from services.llm.tp import TPWorkers
+from services.llm.runner import ModelRunner
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
-CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
 
 
 class LLMServicer(pb.llm_pb2_grpc.LLMServiceServicer):
@@ -50,12 +47,14 @@ class LLMService(Service):
 
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
+        # The one place the LLM reads its flags: everything below takes this value.
+        self.config = (LLMConfig.from_args(args, self.model_dir, device=self.device, dtype=self.dtype)
+                       if self.model_dir is not None else None)
         self.engine: LLMEngine | None = None
+        self.runner: ModelRunner | None = None
         self.fanout: EncoderFanout | None = None
-        self.workers: TPWorkers | None = None
-        self.config: ModelConfig | None = None
+        self.model_config: ModelConfig | None = None
         self.tokenizer = None
-        self.max_model_len = 0
         self.spatial_merge = 2
 
     @classmethod
@@ -88,80 +87,61 @@ class LLMService(Service):
 
     async def load(self) -> None:
         await super().load()
-        if self.model_dir is None:
+        if self.config is None:
             return
         await asyncio.to_thread(self._load)
-        targets = [(m, t) for m, t in ((pb.IMAGE, self.args.vision_encoder), (pb.AUDIO, self.args.audio_encoder)) if t]
-        probe = ShmProbe() if targets and self.args.encoder_shared_memory == "auto" and shm_available() else None
+        enc = self.config.encoders
+        targets = [(m, t) for m, t in ((pb.IMAGE, enc.vision), (pb.AUDIO, enc.audio)) if t]
+        probe = ShmProbe() if targets and enc.shared_memory and shm_available() else None
         reader = ShmReader() if probe is not None else None
-        pools = {modality: EncoderPool(modality, target, max_message_bytes=self.args.max_message_mb * MiB, probe=probe,
+        pools = {modality: EncoderPool(modality, target, max_message_bytes=enc.max_message_bytes, probe=probe,
                                        reader=reader, device=self.device)
                  for modality, target in targets}
         self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
-                                    check_fingerprint=not self.args.allow_foreign_encoders,
-                                    default_timeout=self.args.encoder_timeout, metrics=self.metrics, probe=probe)
+                                    check_fingerprint=not enc.allow_foreign, default_timeout=enc.timeout_s,
+                                    metrics=self.metrics, probe=probe)
         self.engine.start()
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
 
-        from services.llm.loader import load_llm
-
-        tp = self.args.tensor_parallel_size
-        if tp < 1 or (self.device.type == "cuda" and tp > torch.cuda.device_count()):
-            raise ConfigError(f"--tensor-parallel-size {tp}: needs 1..{torch.cuda.device_count()} visible GPUs")
-        cfg = ModelConfig.from_hf(self.model_dir)
-        self.max_model_len = self.args.max_model_len or cfg.max_position_embeddings or 0
-        if not self.max_model_len:
-            raise ConfigError("the config has no max_position_embeddings: pass --max-model-len")
-        kv_tokens = self.args.kv_cache_tokens
-        if kv_tokens is None and self.device.type == "cpu":  # sized from free RAM it would be absurd
-            kv_tokens = max(CPU_DEFAULT_KV_TOKENS, self.max_model_len)
-        if tp > 1:  # every rank loads its shard and sizes its pool the same way
-            self.workers = TPWorkers(tp, str(self.model_dir), self.device.type, self.dtype, dict(
-                page_size=self.args.page_size, dummy=self.args.dummy_weights, kv_cache_tokens=kv_tokens,
-                mem_fraction=self.args.mem_fraction, log_level=self.args.log_level, max_model_len=self.max_model_len))
-            self.workers.start()
-            self.workers.init_rank0(self.device.type)
-        model, cfg, _report = load_llm(self.model_dir, device=self.device, dtype=self.dtype,
-                                       page_size=self.args.page_size, dummy=self.args.dummy_weights)
-        self.config = cfg
+        config = self.config
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
         except Exception as exc:  # noqa: BLE001 - say which file is missing rather than a transformers trace
-            raise ConfigError(f"--model {self.model_dir}: cannot load its tokenizer ({exc})") from exc
-        if getattr(model, "uses_mrope", False):
-            self.spatial_merge = int(ModelConfig.from_hf(self.model_dir, part="vision").get("spatial_merge_size", 2))
-        pool = build_kv_pool(cfg, self.device, max_model_len=self.max_model_len, dtype=self.dtype, tp_size=tp,
-                             page_size=self.args.page_size, kv_cache_tokens=kv_tokens,
-                             mem_fraction=self.args.mem_fraction, metrics=self.metrics)
+            raise ConfigError(f"--model {config.model_dir}: cannot load its tokenizer ({exc})") from exc
+        # Rank 0 here; ranks 1.. (tensor parallel) as child processes running the same ModelRunner.
+        self.runner = ModelRunner.launch(config, self.metrics)
+        cfg = self.model_config = self.runner.model_config
+        if self.runner.uses_mrope:
+            self.spatial_merge = int(ModelConfig.from_hf(config.model_dir, part="vision").get("spatial_merge_size", 2))
         eos = tuple(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos += (self.tokenizer.eos_token_id,)
-        self.engine = LLMEngine(model, pool, self.tokenizer, eos_token_ids=eos, vocab_size=cfg.vocab_size,
-                                max_model_len=self.max_model_len, device=self.device, metrics=self.metrics,
-                                max_num_seqs=self.args.max_num_seqs, max_batch_tokens=self.args.max_batch_tokens,
-                                max_prefill_chunk=self.args.max_prefill_chunk, max_queue=self.args.max_queue,
-                                cuda_graphs=not self.args.enforce_eager)
+        self.engine = LLMEngine(self.runner, self.tokenizer, eos_token_ids=eos, metrics=self.metrics)
 
     async def close(self) -> None:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
-            if self.workers is not None:
-                self.engine.runner.stop_workers()
-        if self.workers is not None:
-            await asyncio.to_thread(self.workers.join)
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.shutdown)
         if self.fanout is not None:
             await self.fanout.close()
 
     def info(self) -> pb.ServiceInfo:
         info = super().info()
-        if self.config is not None:
-            info.architecture = ",".join(self.config.architectures)
-            info.hidden_size = self.config.hidden_size
-            info.vocab_size = self.config.vocab_size or 0
-            info.max_model_len = self.max_model_len
-            info.extra["tensor_parallel_size"] = str(self.args.tensor_parallel_size)
+        if self.model_config is not None:
+            info.architecture = ",".join(self.model_config.architectures)
+            info.hidden_size = self.model_config.hidden_size
+            info.vocab_size = self.model_config.vocab_size or 0
+            info.max_model_len = self.config.max_model_len
+            info.extra["tensor_parallel_size"] = str(self.config.tensor_parallel_size)
+        if self.runner is not None:  # what the model's ranks chose, each rank's own selector
+            del info.attention[:]
+            info.attention.extend(
+                pb.AttentionChoice(component=component, backend=backend, reason=reason, rank=report.rank,
+                                   rejected=[pb.BackendRejection(backend=b, reason=why) for b, why in rejected])
+                for report in self.runner.reports for component, backend, reason, rejected in report.attention)
         if self.engine is not None:
             pool = self.engine.pool
             info.pools.append(pb.PoolInfo(name="kv", capacity_tokens=pool.allocator.capacity_tokens,
@@ -172,7 +152,7 @@ class LLMService(Service):
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
         if self.engine is None:
             raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
-        cfg = self.config
+        cfg = self.model_config
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size)
         ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
         check_modalities(items, cfg)

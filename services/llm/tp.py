@@ -1,146 +1,110 @@
-"""Tensor parallelism inside the LLM service: rank 0 serves, ranks 1..N-1 follow.
+"""Tensor-parallel ranks 1..N-1 of the LLM service, as child processes of rank 0.
 
-Rank 0 is the service process: it owns the gRPC server, the scheduler and the
-sampler. Every other rank is a worker process holding its shard of the weights
-and of the KV pool (the same pages: one block table serves all ranks). For
-each step rank 0 broadcasts the step's inputs — token ids, positions, lengths,
-block table, rows to sample, and spliced embeddings when there are any — as
-plain tensors (no pickling); then every rank runs the same forward, whose
-layers meet in their all-reduces / all-gathers. Only rank 0 samples.
+    runner = ModelRunner.launch(config)  # RankWorkers(config).start(), then rank 0 in this process
+    ...
+    runner.shutdown()                    # stops the ranks' loops, tears the group down, joins them
+
+Each child runs `ModelRunner(dataclasses.replace(config, rank=r)).loop()`: the
+same runner, handed the whole config (nano-vllm, mini-sglang). Children never
+outlive rank 0: each asks the kernel for SIGKILL when its parent dies, and rank
+0 watches them: a rank that dies while the group is up takes the service down
+(its shard of the weights is gone, every later step would hang in a collective).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+import signal
+import sys
+import threading
+from multiprocessing.connection import wait
 
-import torch
 import torch.multiprocessing as mp
 
 from modalmesh import distributed
+from services.llm.config import LLMConfig
 
 log = logging.getLogger(__name__)
 
-_HEADER = 8  # kind, tokens, sequences, block-table width, has_embeds, mrope, sampled rows, spare
-STOP, STEP = 0, 1
 
+def _rank_main(config: LLMConfig, parent: int) -> None:
+    _die_with(parent)
+    logging.basicConfig(level=config.log_level,
+                        format=f"%(asctime)s %(levelname)s llm-rank{config.rank} %(name)s: %(message)s")
+    from services.llm.runner import ModelRunner
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (T,) or (3, T) int64
-    query_lens: list[int]
-    context_lens: list[int]
-    block_table: torch.Tensor  # (B, W) int32
-    rows: torch.Tensor  # (n,) int64: rows of the hidden states to sample from
-    has_embeds: bool
-
-
-class StepChannel:
-    """Broadcasts of one step's inputs from rank 0 (`send`) to the workers (`recv`)."""
-
-    def __init__(self, device: torch.device, hidden_size: int, dtype: torch.dtype):
-        # gloo moves CPU tensors, nccl CUDA ones: the device the model runs on.
-        self.device = device
-        self.hidden_size = hidden_size
-        self.dtype = dtype
-
-    def _header(self, values: list[int]) -> torch.Tensor:
-        return distributed.broadcast(torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64,
-                                                  device=self.device))
-
-    def send(self, s: StepInputs) -> None:
-        mrope = s.positions.dim() == 2
-        self._header([STEP, s.input_ids.shape[0], len(s.query_lens), s.block_table.shape[1], int(s.has_embeds),
-                      int(mrope), s.rows.shape[0]])
-        lens = torch.tensor(s.query_lens + s.context_lens, dtype=torch.int64, device=self.device)
-        for t in (s.input_ids, s.positions, lens, s.block_table, s.rows):
-            distributed.broadcast(t.contiguous())
-
-    def send_stop(self) -> None:
-        self._header([STOP])
-
-    def recv(self) -> StepInputs | None:
-        header = self._header([]).tolist()
-        if header[0] == STOP:
-            return None
-        _, tokens, batch, width, has_embeds, mrope, rows = header[:7]
-        empty = lambda *shape, dtype=torch.int64: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
-        input_ids = distributed.broadcast(empty(tokens))
-        positions = distributed.broadcast(empty(3, tokens) if mrope else empty(tokens))
-        lens = distributed.broadcast(empty(2 * batch)).tolist()
-        block_table = distributed.broadcast(empty(batch, width, dtype=torch.int32))
-        sample_rows = distributed.broadcast(empty(rows))
-        return StepInputs(input_ids, positions, lens[:batch], lens[batch:], block_table, sample_rows,
-                          bool(has_embeds))
-
-    def embeds(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's spliced input embeddings, on every rank."""
-        return distributed.broadcast(x.contiguous())
-
-
-def _worker(rank: int, world_size: int, port: int, model_dir: str, device_type: str, dtype: str,
-            options: dict) -> None:
-    from modalmesh.attention import PagedMetadata
-    from modalmesh.kv.pool import build_kv_pool
-    from modalmesh.metrics import Metrics
-    from services.llm.loader import load_llm
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    logging.basicConfig(level=options.get("log_level", "INFO"),
-                        format=f"%(asctime)s %(levelname)s llm-rank{rank} %(name)s: %(message)s")
-    distributed.init_tp(rank, world_size, backend=distributed.default_backend(device_type))
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    torch.set_grad_enabled(False)
-    model, cfg, _ = load_llm(model_dir, device=device, dtype=getattr(torch, dtype),
-                             page_size=options["page_size"], dummy=options["dummy"])
-    pool = build_kv_pool(cfg, device, max_model_len=options["max_model_len"], tp_size=world_size,
-                         dtype=getattr(torch, dtype), page_size=options["page_size"],
-                         kv_cache_tokens=options["kv_cache_tokens"], mem_fraction=options["mem_fraction"],
-                         metrics=Metrics(f"llm-rank{rank}", process_metrics=False))
-    kv_caches = [pool.layer(i) for i in range(cfg.num_layers)]
-    channel = StepChannel(device, cfg.hidden_size, getattr(torch, dtype))
-    log.info("rank %d of %d ready", rank, world_size)
+    code = 1
     try:
-        with torch.inference_mode():
-            while (step := channel.recv()) is not None:
-                meta = PagedMetadata.build(step.query_lens, step.context_lens, step.block_table, pool.page_size)
-                embeds = None
-                if step.has_embeds:
-                    embeds = channel.embeds(model.embed(step.input_ids))
-                hidden = model(step.positions, meta, kv_caches, input_ids=None if embeds is not None else
-                               step.input_ids, inputs_embeds=embeds)
-                if step.rows.numel():
-                    model.compute_logits(hidden[step.rows])  # its all-gather needs every rank
-    finally:
-        distributed.destroy_tp()
-    distributed.exit_rank()
+        runner = ModelRunner(config)
+        log.info("rank %d of %d ready", config.rank, config.world_size)
+        runner.loop()
+        code = 0
+    except BaseException:  # noqa: BLE001 - say why, then leave without finalisers (see exit_rank)
+        log.exception("rank %d failed", config.rank)
+    distributed.exit_rank(code)
 
 
-class TPWorkers:
-    """Ranks 1..N-1 as child processes of the service (rank 0 joins with `init_rank0`)."""
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when its parent (rank 0) dies; leave at once if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
 
-    def __init__(self, world_size: int, model_dir: str, device_type: str, dtype: torch.dtype, options: dict):
-        self.world_size = world_size
-        self.port = distributed.free_port()
-        ctx = mp.get_context("spawn")
-        name = str(dtype).removeprefix("torch.")
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.port, str(model_dir), device_type, name,
-                                                        options), name=f"llm-rank{r}", daemon=True)
-                      for r in range(1, world_size)]
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:  # noqa: BLE001 - best effort: rank 0's watch still ends the group
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class RankWorkers:
+    """Ranks 1..N-1 of `config`'s group; `config` (with the group's port) is what rank 0 runs."""
+
+    def __init__(self, config: LLMConfig):
+        self.config = dataclasses.replace(config, rank=0, dist_port=config.dist_port or distributed.free_port())
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self.procs = [ctx.Process(target=_rank_main, args=(dataclasses.replace(self.config, rank=r), os.getpid()),
+                                  name=f"llm-rank{r}", daemon=True) for r in range(1, config.world_size)]
+        self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
 
     def start(self) -> None:
         for p in self.procs:
             p.start()
+        self._watch = threading.Thread(target=self._watch_ranks, name="llm-rank-watch", daemon=True)
+        self._watch.start()
 
-    def init_rank0(self, device_type: str) -> None:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(self.port)
-        distributed.init_tp(0, self.world_size, backend=distributed.default_backend(device_type))
+    def _watch_ranks(self) -> None:
+        sentinels = {p.sentinel: p for p in self.procs}
+        while sentinels and not self._closing.is_set():
+            for ready in wait(list(sentinels), timeout=0.5):
+                p = sentinels.pop(ready)
+                p.join(0)
+                if not self._closing.is_set():
+                    log.critical("%s exited with %s while the group was up: the service cannot go on without its "
+                                 "shard; exiting", p.name, p.exitcode)
+                    self.kill()
+                    distributed.exit_rank(1)
 
-    def join(self, timeout: float = 60.0) -> None:
+    def stopping(self) -> None:
+        """From now on a rank that exits is leaving as told, not failing."""
+        self._closing.set()
+
+    def join(self, timeout: float = 30.0) -> list[int | None]:
+        """Wait for the ranks to leave after `ModelRunner.shutdown`; kill any that do not. Their exit codes."""
+        self._closing.set()
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
+                log.warning("%s did not stop within %.0f s: killed", p.name, timeout)
                 p.kill()
-        distributed.destroy_tp()
+                p.join(5)
+        return [p.exitcode for p in self.procs]
+
+    def kill(self) -> None:
+        self._closing.set()
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()

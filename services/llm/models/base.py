@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from modalmesh.attention import PagedMetadata
+from modalmesh.attention import AttentionSelector, PagedMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.layers.rotary import RotaryEmbedding
@@ -41,11 +41,15 @@ class CausalLM(nn.Module):
     weights_mapper: ClassVar[WeightsMapper] = LEGACY_BUFFERS
     stacked_params: ClassVar[StackedMapping] = QKV_GATE_UP
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, page_size: int = 16):
+    def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
+                 page_size: int = 16):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype or torch.get_default_dtype()
         self.page_size = page_size
+        # Handed in by whoever builds the model (each TP rank builds its own from the config): every
+        # attention layer selects through it, never through a process-wide selector.
+        self.selector = selector
 
     # ---- what a family provides -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

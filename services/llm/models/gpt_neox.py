@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modalmesh.attention import Attention, PagedMetadata
+from modalmesh.attention import Attention, AttentionSelector, PagedMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.layers import (
     MLP,
@@ -39,7 +39,7 @@ class NeoXAttention(nn.Module):
         self.query_key_value = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_heads, bias=bias)
         self.dense = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         self.attn = Attention(self.query_key_value.num_heads, cfg.head_dim, component="llm", causal=True,
-                              layouts=("paged",), page_size=lm.page_size, dtype=lm.dtype)
+                              layouts=("paged",), page_size=lm.page_size, dtype=lm.dtype, selector=lm.selector)
 
     def forward(self, positions, x, meta, kv_cache, rotary: RotaryEmbedding) -> torch.Tensor:
         tokens = x.shape[0]
@@ -84,8 +84,9 @@ class GPTNeoXForCausalLM(CausalLM):
     weights_mapper = WeightsMapper(prefix={"gpt_neox.": "model.", "embed_out.": "lm_head."}) | LEGACY_BUFFERS
     stacked_params = StackedMapping([("query_key_value", "query_key_value", "qkv_per_head")])
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, page_size: int = 16):
-        super().__init__(cfg, dtype=dtype, page_size=page_size)
+    def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
+                 page_size: int = 16):
+        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size)
         self.model = NeoXModel(self)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

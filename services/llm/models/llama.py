@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from modalmesh.attention import Attention, PagedMetadata
+from modalmesh.attention import Attention, AttentionSelector, PagedMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.layers import (
     GatedMLP,
@@ -45,7 +45,7 @@ class DecoderAttention(nn.Module):
         window = (cfg.sliding_window - 1, 0) if cfg.layer_is_sliding(layer) else None
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim, num_kv_heads=self.qkv_proj.num_kv_heads,
                               component="llm", causal=True, window=window, layouts=("paged",),
-                              page_size=lm.page_size, dtype=lm.dtype)
+                              page_size=lm.page_size, dtype=lm.dtype, selector=lm.selector)
 
     def forward(self, positions, x, meta, kv_cache, rotary: RotaryEmbedding) -> torch.Tensor:
         tokens = x.shape[0]
@@ -95,8 +95,9 @@ class LlamaForCausalLM(CausalLM):
     mlp_bias: ClassVar[bool | str] = "mlp_bias"
     qk_norm: ClassVar[bool] = False
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, page_size: int = 16):
-        super().__init__(cfg, dtype=dtype, page_size=page_size)
+    def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
+                 page_size: int = 16):
+        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size)
         self.model = DecoderModel(self)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -1,0 +1,41 @@
+"""One request inside the engine: what it asked for, what it has been sent, and how to reach it.
+
+The scheduler's `Sequence` carries a `RequestState` (``Sequence[RequestState]``);
+the runner reads the prompt (token ids, spliced embeddings, M-RoPE positions)
+and the sampler row from it, the engine the detokeniser and the emitter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.llm.detokenizer import IncrementalDetokenizer
+from services.llm.inputs import PreparedPrompt
+from services.llm.sampling import SamplerRow, SamplingParams
+
+
+@dataclass
+class Delta:
+    """What one request gets from one step (or at its end)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: BaseException | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    prompt: PreparedPrompt
+    sampler: SamplerRow
+    detokenizer: IncrementalDetokenizer
+    emit: Callable[[Delta], None]
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None

@@ -1,0 +1,150 @@
+"""One engine step's inputs as one typed value, and how rank 0 hands it to every rank.
+
+Rank 0 builds a `StepInputs` from the scheduled chunks, its tensors on the host
+(`ModelRunner.prepare`). `StepChannel.publish` packs every integer of it into
+one int64 message — a header of sizes and flags, then token ids, positions,
+per-sequence lengths, block table, sampled rows and KV slots — copies it to the
+device in one transfer and, under tensor parallelism, broadcasts it (NCCL on
+CUDA, gloo on CPU). Ranks >= 1 `receive` the same message. Every rank then holds
+the same `StepInputs`, its tensors views into the message on its device, and
+runs the same forward.
+
+A message that fits the channel's fixed buffer — every decode step of 256
+sequences with contexts up to a few thousand tokens — is one broadcast; a longer
+one (a long prefill) sends the rest in a second. Spliced multimodal embeddings
+are floats, not ints: every rank embeds the token ids (the embedding is itself
+sharded), rank 0 writes the encoder rows in, and the result is broadcast
+(`share_embeds`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modalmesh import distributed
+
+HEADER = 16  # int64 words before the payload
+_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH = range(10)
+STEP, STOP = 1, 2
+DEFAULT_CAPACITY = 8192  # int64 words in one broadcast: 64 KiB
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything a rank needs to run one forward of the step; identical on every rank."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,), or (3, T) for M-RoPE models; int64
+    query_lens: tuple[int, ...]  # new tokens per sequence
+    context_lens: tuple[int, ...]  # tokens in the cache per sequence once this step has run
+    block_table: torch.Tensor  # (B, W) int64 page ids, short rows padded with page 0
+    sample_rows: torch.Tensor  # (n,) int64: rows of the hidden states whose logits are wanted
+    slot_mapping: torch.Tensor | None = None  # (T,) int64 KV slots; None: derived from the block table
+    # A decode step replayed from the CUDA graph of this batch bucket; its per-sequence inputs are
+    # padded to the bucket (padding: context 0, slots in a scratch page). 0: an eager step.
+    graph_batch: int = 0
+    has_embeds: bool = False  # spliced input embeddings follow (`share_embeds`)
+    # Rank 0 only, never sent: (row in the batch, encoder rows) written over the token embeddings.
+    splices: tuple[tuple[int, torch.Tensor], ...] = ()
+    context_lens_t: torch.Tensor | None = None  # (B,) int64 on the device, set by the channel
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_lens)
+
+
+class StepChannel:
+    """Rank 0 `publish`es each step's inputs; ranks >= 1 `receive` them (identity transport at TP=1)."""
+
+    def __init__(self, device: torch.device, world_size: int, capacity: int = DEFAULT_CAPACITY):
+        self.device = device
+        self.world_size = world_size
+        self.capacity = capacity
+        self._pinned = device.type == "cuda"
+        # Ranks >= 1 receive into this buffer; rank 0 sends from fresh (cached) allocations.
+        self._inbox = torch.zeros(capacity, dtype=torch.int64, device=device) if world_size > 1 else None
+
+    # ---- rank 0 -------------------------------------------------------------------------
+    def publish(self, s: StepInputs) -> StepInputs:
+        """Rank 0: `s` (host tensors) on this rank's device, and on every other rank's."""
+        mrope = s.positions.dim() == 2
+        lens = torch.tensor(s.query_lens + s.context_lens, dtype=torch.int64)
+        parts = [s.input_ids, s.positions.reshape(-1), lens, s.block_table.reshape(-1), s.sample_rows]
+        if s.slot_mapping is not None:
+            parts.append(s.slot_mapping)
+        length = sum(p.numel() for p in parts)
+        header = [STEP, s.num_tokens, s.batch_size, s.block_table.shape[1], int(mrope), s.sample_rows.numel(),
+                  int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length]
+        # Pinned and from the caching host allocator: the copy below is asynchronous, and the allocator
+        # keeps this block until the copy has run, so the next step cannot overwrite it early.
+        host = torch.empty(HEADER + length, dtype=torch.int64, pin_memory=self._pinned)
+        host[:HEADER] = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
+        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host[HEADER:])
+        message = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        if self.world_size > 1:
+            first = message[:self.capacity]
+            if first.numel() < self.capacity:  # receivers take a full buffer
+                first = torch.cat([first, first.new_zeros(self.capacity - first.numel())])
+            distributed.broadcast(first)
+            if message.numel() > self.capacity:
+                distributed.broadcast(message[self.capacity:])
+        return _unpack(message, host, s.splices)
+
+    def publish_stop(self) -> None:
+        if self.world_size > 1:
+            stop = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+            stop[_KIND] = STOP
+            distributed.broadcast(stop)
+
+    # ---- ranks >= 1 ---------------------------------------------------------------------
+    def receive(self) -> StepInputs | None:
+        """The next step's inputs from rank 0, or None when rank 0 has stopped the group."""
+        first = distributed.broadcast(self._inbox)
+        host = first.cpu()  # the one device->host copy of a step: sizes and lengths for the metadata
+        if int(host[_KIND]) == STOP:
+            return None
+        total = HEADER + int(host[_LENGTH])
+        if total <= self.capacity:
+            return _unpack(first[:total], host[:total], ())
+        rest = distributed.broadcast(torch.empty(total - self.capacity, dtype=torch.int64, device=self.device))
+        return _unpack(torch.cat([first, rest]), torch.cat([host, rest.cpu()]), ())
+
+    # ---- every rank ---------------------------------------------------------------------
+    def share_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Rank 0's spliced input embeddings (T, H) on every rank (in place on ranks >= 1)."""
+        return distributed.broadcast(embeds.contiguous()) if self.world_size > 1 else embeds
+
+
+def _unpack(message: torch.Tensor, host: torch.Tensor, splices) -> StepInputs:
+    """Views into `message` (this rank's device); sizes and lengths read from its host copy `host`."""
+    head = host[:HEADER].tolist()
+    tokens, batch, width, rows = head[_TOKENS], head[_BATCH], head[_WIDTH], head[_ROWS]
+    offset = HEADER
+
+    def take(n: int) -> tuple[torch.Tensor, slice]:
+        nonlocal offset
+        where = slice(offset, offset + n)
+        offset += n
+        return message[where], where
+
+    input_ids, _ = take(tokens)
+    positions, _ = take(3 * tokens if head[_MROPE] else tokens)
+    if head[_MROPE]:
+        positions = positions.view(3, tokens)
+    lens, lens_at = take(2 * batch)
+    block_table, _ = take(batch * width)
+    sample_rows, _ = take(rows)
+    slot_mapping = take(tokens)[0] if head[_SLOTS] else None
+    lens_host = host[lens_at].tolist()
+    return StepInputs(
+        input_ids=input_ids, positions=positions, query_lens=tuple(lens_host[:batch]),
+        context_lens=tuple(lens_host[batch:]), block_table=block_table.view(batch, width), sample_rows=sample_rows,
+        slot_mapping=slot_mapping, graph_batch=head[_GRAPH], has_embeds=bool(head[_EMBEDS]), splices=tuple(splices),
+        context_lens_t=lens[batch:],
+    )
