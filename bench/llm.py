@@ -1,6 +1,7 @@
 """LLM decode throughput: our engine vs Hugging Face `generate`, same GPU, same run, beside the limit.
 
     python bench/llm.py              # Qwen2.5-7B shape, bf16, random weights, 128 in / 128 out
+    python bench/llm.py --tp 2       # the same over two GPUs (rank 1 spawned; HF column skipped)
     python bench/llm.py --quick      # tiny shape on CPU (checks the script, not speed)
 
 Prints output tokens/s at batch 1, 32 and the largest batch that fits, for ours
@@ -22,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from modalmesh import tiny  # noqa: E402
-from modalmesh.kv.pool import build_kv_pool  # noqa: E402
 from modalmesh.metrics import Metrics  # noqa: E402
+from services.llm.config import LLMConfig  # noqa: E402
 from services.llm.engine import LLMEngine  # noqa: E402
 from services.llm.inputs import PreparedPrompt  # noqa: E402
-from services.llm.loader import load_llm  # noqa: E402
+from services.llm.runner import ModelRunner  # noqa: E402
 from services.llm.sampling import SamplingParams  # noqa: E402
 
 QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -110,6 +111,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs); the HF column needs 1")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -123,25 +125,29 @@ def main() -> int:
 
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}  torch {torch.__version__}  "
           f"shape {'quick' if args.quick else 'Qwen2.5-7B'}  {dtype}  {args.prompt_len} in / {args.new_tokens} out")
-    model, cfg, report = load_llm(ckpt, device=device, dtype=dtype, dummy=True)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     max_len = args.prompt_len + args.new_tokens
     kv_tokens = max(batches) * max_len + 4096 if device.type == "cpu" else None
-    pool = build_kv_pool(cfg, device, max_model_len=max(max_len, 2048 + 8), dtype=dtype,
-                         kv_cache_tokens=kv_tokens, mem_fraction=0.5, metrics=Metrics("llm", process_metrics=False))
-    engine = LLMEngine(model, pool, tokenizer, eos_token_ids=(), vocab_size=cfg.vocab_size,
-                       max_model_len=max(max_len, 2048 + 8), device=device, metrics=pool.metrics,
-                       max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8))
+    config = LLMConfig(model_dir=ckpt, device_type=device.type, dtype=dtype, dummy_weights=True,
+                       max_model_len=max(max_len, 2048 + 8), kv_cache_tokens=kv_tokens, mem_fraction=0.5,
+                       max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8), tensor_parallel_size=args.tp)
+    metrics = Metrics("llm", process_metrics=False)
+    runner = ModelRunner.launch(config, metrics)
+    model, pool = runner.model, runner.pool
+    # Every rank holds 1/tp of the weights and reads its shard each decode step, in parallel.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * args.tp
+    engine = LLMEngine(runner, tokenizer, eos_token_ids=(), metrics=metrics)
     engine.start()
     run_ours(engine, prompts(2, 16), 4)  # warm-up
     graphs = engine.runner.graphs is not None
     print(f"attention backend (llm): {model_backend(model)}; KV pool {pool.allocator.capacity_tokens} tokens")
     bw = copy_bandwidth(device)
     limit = bw / weight_bytes
-    print(f"weights {weight_bytes / 1e9:.2f} GB; copy bandwidth {bw / 1e12:.2f} TB/s; batch-1 limit {limit:.0f} tok/s")
+    limit *= args.tp  # each rank streams its shard at the full bandwidth of its own GPU
+    print(f"weights {weight_bytes / 1e9:.2f} GB over {args.tp} GPU(s); copy bandwidth {bw / 1e12:.2f} TB/s per GPU; "
+          f"batch-1 limit {limit:.0f} tok/s")
     ours, phases = {}, {}
     for b in batches:
         before, steps = dict(engine.phase_seconds), engine.steps
@@ -150,10 +156,11 @@ def main() -> int:
         phases[b] = {k: (engine.phase_seconds[k] - before[k]) / n * 1e3 for k in before}
     _, ttft_2k = run_ours(engine, prompts(1, 2048), 1)
     engine.stop()
-    del engine, model, pool
+    runner.shutdown()
+    del engine, model, pool, runner
     torch.cuda.empty_cache() if device.type == "cuda" else None
     hf = {}
-    if not args.no_hf:
+    if not args.no_hf and args.tp == 1:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         hf_cfg = Qwen2Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
@@ -165,7 +172,8 @@ def main() -> int:
             except torch.OutOfMemoryError:
                 hf[b] = float("nan")
                 torch.cuda.empty_cache()
-    print(f"\n{'batch':>6} {'ours tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'ours TTFT ms':>13}")
+    print(f"\nTP={args.tp}")
+    print(f"{'batch':>6} {'ours tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'ours TTFT ms':>13}")
     for b in batches:
         tps, ttft = ours[b]
         h = hf.get(b, float("nan"))
@@ -175,6 +183,9 @@ def main() -> int:
     for b in batches:
         print(f"   batch {b:>4}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[b].items()))
     print(f"TTFT of a 2048-token prompt, idle engine: {ttft_2k * 1e3:.1f} ms")
+    print("RESULT " + json.dumps({"tp": args.tp, "tok_s": {b: round(ours[b][0], 1) for b in batches},
+                                  "hf_tok_s": {b: round(hf[b], 1) for b in hf}, "limit_b1": round(limit) if limit == limit else None,
+                                  "step_ms": {b: round(sum(phases[b].values()), 2) for b in batches}}))
     return 0
 
 
@@ -186,4 +197,9 @@ def model_backend(model) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    from modalmesh import distributed
+
+    if distributed.joined_a_group():  # rank 0 of a group: no interpreter finalisation (see exit_rank)
+        distributed.exit_rank(code)
+    raise SystemExit(code)

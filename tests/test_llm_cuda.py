@@ -12,9 +12,11 @@ from modalmesh import tiny
 from modalmesh.attention import PagedMetadata
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.metrics import Metrics
+from services.llm.config import LLMConfig
 from services.llm.engine import LLMEngine
 from services.llm.inputs import PreparedPrompt
 from services.llm.loader import load_llm
+from services.llm.runner import ModelRunner
 from services.llm.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,12 +29,11 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-llm")
 
 
-def _engine(model, cfg, tokenizer, dtype, cuda_graphs=True):
+def _engine(path, tokenizer, dtype, cuda_graphs=True):
     metrics = Metrics("llm", process_metrics=False)
-    pool = build_kv_pool(cfg, "cuda", max_model_len=256, dtype=dtype, kv_cache_tokens=2048, metrics=metrics)
-    return LLMEngine(model, pool, tokenizer, eos_token_ids=(), vocab_size=cfg.vocab_size, max_model_len=256,
-                     device=torch.device("cuda"), metrics=metrics, max_batch_tokens=24, max_num_seqs=8,
-                     cuda_graphs=cuda_graphs)
+    config = LLMConfig(model_dir=path, device_type="cuda", dtype=dtype, max_model_len=256, kv_cache_tokens=2048,
+                       max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs)
+    return LLMEngine(ModelRunner(config, metrics), tokenizer, eos_token_ids=(), metrics=metrics)
 
 
 def _generate(engine, prompts, n):
@@ -58,8 +59,7 @@ def test_fp32_greedy_on_cuda_equals_hf_generate(root, family):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny.ensure(family, root)
-    model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.float32)
-    engine = _engine(model, cfg, AutoTokenizer.from_pretrained(path), torch.float32)
+    engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.float32)
     engine.start()
     try:
         got = _generate(engine, PROMPTS, 16)
@@ -108,8 +108,7 @@ def test_cuda_graph_decode_equals_eager_decode(root, family):
     tokenizer = AutoTokenizer.from_pretrained(path)
     results = {}
     for graphs in (True, False):
-        model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.bfloat16)
-        engine = _engine(model, cfg, tokenizer, torch.bfloat16, cuda_graphs=graphs)
+        engine = _engine(path, tokenizer, torch.bfloat16, cuda_graphs=graphs)
         assert (engine.runner.graphs is not None) == graphs, "triton_paged should make decode graph-safe"
         engine.start()
         try:
@@ -120,26 +119,72 @@ def test_cuda_graph_decode_equals_eager_decode(root, family):
     assert results[True] == results[False]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tensor_parallel_two_gpus_equals_one(root):
+def _serve(path, *flags):
+    from modalmesh.launcher import ServiceProcess
+
+    proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(path),
+                                  "--max-num-seqs", "8", *flags]).start()
+    proc.wait_serving(timeout=300)
+    return proc
+
+
+def _tokens(proc, prompts, n=16):
     import grpc
 
     from modalmesh import pb
-    from modalmesh.launcher import ServiceProcess
 
+    with grpc.insecure_channel(proc.target) as channel:
+        stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+        info = stub.Info(pb.InfoRequest(), timeout=10)
+        outs = [[t for r in stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)),
+            timeout=120) for t in r.token_ids] for p in prompts]
+    return outs, info
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+def test_tensor_parallel_two_gpus_equals_one(root):
     path = tiny.ensure("qwen2", root)
     outs = {}
     for tp in (1, 2):
-        proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model",
-                                      str(path), "--dtype", "float32", "--tensor-parallel-size", str(tp)]).start()
+        proc = _serve(path, "--dtype", "float32", "--tensor-parallel-size", str(tp))
         try:
-            proc.wait_serving(timeout=300)
-            with grpc.insecure_channel(proc.target) as channel:
-                stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
-                outs[tp] = [[t for r in stub.Generate(pb.GenerateRequest(
-                    token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(temperature=0, max_tokens=16,
-                                                                             ignore_eos=True)), timeout=120)
-                             for t in r.token_ids] for p in PROMPTS]
+            outs[tp], info = _tokens(proc, PROMPTS)
+            assert sorted(c.rank for c in info.attention) == list(range(tp))
         finally:
-            assert proc.terminate(timeout=60) == 0
+            assert proc.terminate(timeout=60) == 0  # SIGTERM: drained, ranks joined, exit 0
     assert outs[1] == outs[2] and all(len(set(o)) > 3 for o in outs[1])
+
+
+@two_gpus
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_tensor_parallel_graph_replay_equals_eager(root, family):
+    # bf16 over NCCL, rank 0 in this process and rank 1 spawned: decode replayed from CUDA graphs on both
+    # ranks (all-reduces captured) against eager steps, with the same schedule (all requests added at once).
+    from transformers import AutoTokenizer
+
+    path = tiny.ensure(family, root)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    results = {}
+    for graphs in (True, False):
+        metrics = Metrics("llm", process_metrics=False)
+        config = LLMConfig(model_dir=path, device_type="cuda", dtype=torch.bfloat16, max_model_len=256,
+                           kv_cache_tokens=2048, max_batch_tokens=24, max_num_seqs=8, cuda_graphs=graphs,
+                           tensor_parallel_size=2)
+        runner = ModelRunner.launch(config, metrics)
+        try:
+            assert [r.cuda_graphs for r in runner.reports] == [graphs, graphs]
+            engine = LLMEngine(runner, tokenizer, eos_token_ids=(), metrics=metrics)
+            engine.start()
+            try:
+                results[graphs] = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 20)  # 5 sequences: padded bucket
+            finally:
+                engine.stop()
+            assert engine.pool.allocator.used_tokens == 0
+        finally:
+            runner.shutdown()
+        assert runner.workers.join(5) == [0]
+    assert results[True] == results[False] and all(len(set(r)) > 3 for r in results[True])

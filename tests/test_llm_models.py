@@ -21,7 +21,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from modalmesh import distributed, tiny
-from modalmesh.attention import PagedMetadata
+from modalmesh.attention import AttentionSelector, PagedMetadata, Platform
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.kv.pool import build_kv_pool
@@ -438,7 +438,7 @@ def test_model_class_by_architecture_and_unknown_architectures(root):
     dynamic = ModelConfig.from_hf({**raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                    "vocab_size": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"), torch.device("meta"):
-        model_class(dynamic)(dynamic)
+        model_class(dynamic)(dynamic, selector=AttentionSelector("", platform=Platform.cpu()))
 
 
 def test_forward_rejects_bad_calls(root):

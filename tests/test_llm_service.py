@@ -246,6 +246,15 @@ def test_qwen2_vl_with_precomputed_image_embeddings_equals_hf_generate(ckpts, tp
         got, _, _ = llm.generate(text=text, items=items, sampling=greedy(12))
         assert got == want
         assert len(set(got)) > 3
+        # Logprobs too (every rank's shard meets in the LM head's all-gather): HF teacher-forced on our tokens.
+        lps = [lp for r in llm.stub.Generate(pb.GenerateRequest(text=text, items=items, sampling=greedy(
+            12, logprobs=1)), timeout=120) for lp in r.logprobs]
+        full = torch.cat([input_ids, torch.tensor([got])], dim=1)
+        with torch.no_grad():
+            logits = ref(input_ids=full, pixel_values=inputs["pixel_values"], image_grid_thw=grids,
+                         mm_token_type_ids=(full == ref.config.image_token_id).int()).logits[0].float()
+        ref_lps = logits[input_ids.shape[1] - 1:-1].log_softmax(-1).gather(1, torch.tensor(got)[:, None])[:, 0]
+        assert len(lps) == len(got) and max(abs(a - b) for a, b in zip(lps, ref_lps.tolist())) < 1e-4
         # Already-expanded placeholders are accepted too; a wrong count is refused with both numbers.
         got2, _, _ = llm.generate(text=expanded, items=items, sampling=greedy(12))
         assert got2 == want

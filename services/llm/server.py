@@ -137,6 +137,7 @@ class LLMService(Service):
             info.max_model_len = self.config.max_model_len
             info.extra["tensor_parallel_size"] = str(self.config.tensor_parallel_size)
         if self.runner is not None:  # what the model's ranks chose, each rank's own selector
+            info.extra["cuda_graphs"] = "on" if self.runner.graphs is not None else "off"
             del info.attention[:]
             info.attention.extend(
                 pb.AttentionChoice(component=component, backend=backend, reason=reason, rank=report.rank,
