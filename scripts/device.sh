@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU step of a stop, for the device machine (see /work/.library/device): install the carried
+# wheels, then run the named steps in order, each under its own timeout, each logging to $OUT/<step>.log.
+#
+#   carry: .whl modalmesh/v1        kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
+#   bash scripts/device.sh cuda-tests llm-tp2 serve-tp2 tp1-pair
+#
+# Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
+# once, one on each GPU. A step that fails or times out is reported and the next one still runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD"
+# Never NVLink multicast on a shared host (KINDS.md); the machine sets these, a child keeps them.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/setup.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/setup.log"; exit 1; }
+python3 -c 'import torch, transformers, grpc; print(torch.__version__, transformers.__version__, grpc.__version__,
+torch.cuda.device_count(), "GPUs")' >>"$OUT/setup.log" 2>&1
+cat "$OUT/setup.log"
+
+step() {  # step NAME TIMEOUT COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - start)) s"
+    grep -E "^(RESULT|TP=|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -20
+}
+
+for name in "$@"; do
+    case $name in
+        cuda-tests) step cuda-tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py ;;
+        llm-tp1) step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 ;;
+        llm-tp2) step llm-tp2 300 python3 bench/llm.py --batches 1,256 --tp 2 ;;
+        serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
+        serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
+        tp1-pair)  # the two TP=1 benches at once, one per GPU
+            step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 &
+            step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 &
+            wait ;;
+        profile-tp2) step profile-tp2 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
+                -o "$OUT/profile-tp2.txt" -- python3 bench/serve.py --start --tp 2 --requests 256 ;;
+        *) echo "unknown step $name"; exit 2 ;;
+    esac
+done
