@@ -18,7 +18,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +38,7 @@ class TPGroup:
 _SINGLE = TPGroup(rank=0, size=1, group=None)
 _tp: TPGroup = _SINGLE
 _joined = False  # this process has been a rank of a group of several (see exit_rank)
+_abandoned = False  # it left one without a teardown (abandon_tp)
 
 
 def tp_rank() -> int:
@@ -71,6 +71,8 @@ def init_tp(
     if world_size == 1:
         _tp = _SINGLE
         return _tp
+    if _abandoned:
+        raise RuntimeError("this process left a tensor-parallel group without a teardown; start a new process")
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -92,23 +94,24 @@ def joined_a_group() -> bool:
     return _joined
 
 
-def destroy_tp(timeout_s: float | None = None) -> bool:
-    """Leave the group (every rank does, at about the same time). With `timeout_s`, give up waiting for
-    the teardown after that long and go on as rank 0 of 1: False then, and the process should exit soon."""
+def destroy_tp() -> None:
     global _tp
-    group, _tp = _tp, _SINGLE
-    if group.group is None or not dist.is_initialized():
-        return True
-    if timeout_s is None:
+    if _tp.group is not None and dist.is_initialized():
         dist.destroy_process_group()
-        return True
-    done = threading.Thread(target=dist.destroy_process_group, name="tp-teardown", daemon=True)
-    done.start()
-    done.join(timeout_s)
-    if done.is_alive():
-        log.warning("the tensor-parallel group's teardown did not finish within %.0f s", timeout_s)
-        return False
-    return True
+    _tp = _SINGLE
+
+
+def abandon_tp() -> None:
+    """Forget the group without tearing it down, for a rank whose process ends soon after (`exit_rank`).
+
+    NCCL's teardown waits on its peers and, while CUDA graphs that captured its collectives are alive,
+    was seen to hang on two H200s (rank 0 and rank 1 both stuck in destroy_process_group); the end of
+    the process frees all of it. This process cannot join another group afterwards.
+    """
+    global _tp, _abandoned
+    if _tp.group is not None:
+        _abandoned = True
+    _tp = _SINGLE
 
 
 def _comm_device() -> torch.device:

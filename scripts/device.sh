@@ -34,6 +34,13 @@ step() {  # step NAME TIMEOUT COMMAND...
 for name in "$@"; do
     case $name in
         cuda-tests) step cuda-tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py ;;
+        cuda-tp-tests) step cuda-tp-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py \
+                -k tensor_parallel ;;
+        allreduce)
+            nvidia-smi topo -m >"$OUT/topo.log" 2>&1
+            step allreduce 120 env NCCL_DEBUG=INFO python3 bench/allreduce.py
+            grep -E "via|Channel 00|NVLS|P2P|SHM" "$OUT/allreduce.log" | head -8
+            cat "$OUT/topo.log" ;;
         llm-tp1) step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 ;;
         llm-tp2) step llm-tp2 300 python3 bench/llm.py --batches 1,256 --tp 2 ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;

@@ -159,32 +159,50 @@ def test_tensor_parallel_two_gpus_equals_one(root):
     assert outs[1] == outs[2] and all(len(set(o)) > 3 for o in outs[1])
 
 
+def _tp2_engine_tokens(path, graphs, results):
+    """In a fresh process (a rank leaves its NCCL group only by ending): rank 0 here, rank 1 spawned."""
+    from transformers import AutoTokenizer
+
+    from modalmesh import distributed
+
+    metrics = Metrics("llm", process_metrics=False)
+    config = LLMConfig(model_dir=path, device_type="cuda", dtype=torch.bfloat16, max_model_len=256,
+                       kv_cache_tokens=2048, max_batch_tokens=24, max_num_seqs=8, cuda_graphs=graphs,
+                       tensor_parallel_size=2)
+    runner = ModelRunner.launch(config, metrics)
+    engine = LLMEngine(runner, AutoTokenizer.from_pretrained(path), eos_token_ids=(), metrics=metrics)
+    engine.start()
+    try:
+        tokens = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 20)  # 5 sequences at once: a padded bucket
+    finally:
+        engine.stop()
+        runner.shutdown()
+    results.put(([r.cuda_graphs for r in runner.reports], tokens, engine.pool.allocator.used_tokens,
+                 [p.exitcode for p in runner.workers.procs]))
+    distributed.exit_rank(0)
+
+
 @two_gpus
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_tensor_parallel_graph_replay_equals_eager(root, family):
-    # bf16 over NCCL, rank 0 in this process and rank 1 spawned: decode replayed from CUDA graphs on both
-    # ranks (all-reduces captured) against eager steps, with the same schedule (all requests added at once).
-    from transformers import AutoTokenizer
+    # bf16 over NCCL: decode replayed from CUDA graphs on both ranks (all-reduces captured) against eager
+    # steps, with the same schedule (every request added at once).
+    import torch.multiprocessing as mp
 
     path = tiny.ensure(family, root)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    ctx = mp.get_context("spawn")
     results = {}
     for graphs in (True, False):
-        metrics = Metrics("llm", process_metrics=False)
-        config = LLMConfig(model_dir=path, device_type="cuda", dtype=torch.bfloat16, max_model_len=256,
-                           kv_cache_tokens=2048, max_batch_tokens=24, max_num_seqs=8, cuda_graphs=graphs,
-                           tensor_parallel_size=2)
-        runner = ModelRunner.launch(config, metrics)
+        out = ctx.Queue()
+        proc = ctx.Process(target=_tp2_engine_tokens, args=(path, graphs, out))
+        proc.start()
         try:
-            assert [r.cuda_graphs for r in runner.reports] == [graphs, graphs]
-            engine = LLMEngine(runner, tokenizer, eos_token_ids=(), metrics=metrics)
-            engine.start()
-            try:
-                results[graphs] = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 20)  # 5 sequences: padded bucket
-            finally:
-                engine.stop()
-            assert engine.pool.allocator.used_tokens == 0
+            reports, tokens, used, worker_codes = out.get(timeout=240)
         finally:
-            runner.shutdown()
-        assert runner.workers.join(5) == [0]
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+        assert proc.exitcode == 0 and worker_codes == [0]
+        assert reports == [graphs, graphs] and used == 0
+        results[graphs] = tokens
     assert results[True] == results[False] and all(len(set(r)) > 3 for r in results[True])

@@ -223,7 +223,9 @@ class ModelRunner:
         return all(c.length == 1 and c.sample and c.start >= len(c.seq.prompt_ids) for c in step.chunks)
 
     def shutdown(self) -> None:
-        """Rank 0: stop the ranks' loops and tear the group down with them (idempotent)."""
+        """Rank 0: stop the ranks' loops and wait for their processes to end (idempotent).
+
+        The process should end soon after (`distributed.exit_rank`): the group is left, not torn down."""
         if self._stopped:
             return
         self._stopped = True
@@ -232,23 +234,23 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.stopping()
         self.channel.publish_stop()
-        # Every rank tears the group down right after the stop message: NCCL's teardown may wait for its peers.
-        distributed.destroy_tp(timeout_s=30.0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the stop message has left: every rank got it
+        # No teardown of the group: see distributed.abandon_tp. Each rank exits once it has the message.
+        distributed.abandon_tp()
         if self.workers is not None:
             codes = self.workers.join()
-            if any(code != 0 for code in codes):
-                log.warning("tensor-parallel ranks exited with %s", codes)
+            log.log(logging.INFO if all(c == 0 for c in codes) else logging.WARNING,
+                    "tensor-parallel ranks 1..%d exited with %s", self.config.world_size - 1, codes)
 
     # ---- ranks >= 1 ---------------------------------------------------------------------
     @torch.inference_mode()
     def loop(self) -> None:
         """Ranks >= 1: run every step rank 0 publishes, until it stops the group."""
-        try:
-            while (inputs := self.channel.receive()) is not None:
-                self.execute(inputs)
-        finally:
-            self._stopped = True
-            distributed.destroy_tp()
+        while (inputs := self.channel.receive()) is not None:
+            self.execute(inputs)
+        self._stopped = True
+        distributed.abandon_tp()  # the process ends next (exit_rank): no teardown to hang in
 
     # ---- every rank ---------------------------------------------------------------------
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
