@@ -111,6 +111,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace 16 decode steps per batch: GPU busy time per step and the top kernels")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs); the HF column needs 1")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
@@ -155,6 +157,9 @@ def main() -> int:
         n = max(1, engine.steps - steps)
         phases[b] = {k: (engine.phase_seconds[k] - before[k]) / n * 1e3 for k in before}
     _, ttft_2k = run_ours(engine, prompts(1, 2048), 1)
+    if args.profile and device.type == "cuda":
+        for b in batches:
+            profile_decode(engine, prompts(b), b)
     engine.stop()
     runner.shutdown()
     del engine, model, pool, runner
@@ -187,6 +192,24 @@ def main() -> int:
                                   "hf_tok_s": {b: round(hf[b], 1) for b in hf}, "limit_b1": round(limit) if limit == limit else None,
                                   "step_ms": {b: round(sum(phases[b].values()), 2) for b in batches}}))
     return 0
+
+
+def profile_decode(engine: LLMEngine, prompts: list[list[int]], batch: int) -> None:
+    """Rank 0's view of decode steps: wall time per step against the GPU's busy time, and where it goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_ours(engine, prompts, 4)  # prefill outside the trace as far as possible
+    steps = engine.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run_ours(engine, prompts, 17)
+        wall = time.perf_counter() - start
+    n = max(1, engine.steps - steps)
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"\nprofile, batch {batch}: {n} steps, wall {wall / n * 1e3:.2f} ms/step, GPU busy "
+          f"{gpu_us / n / 1e3:.2f} ms/step (kernels summed)")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def model_backend(model) -> str:

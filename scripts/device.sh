@@ -34,7 +34,7 @@ step() {  # step NAME TIMEOUT COMMAND...
 for name in "$@"; do
     case $name in
         cuda-tests) step cuda-tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py ;;
-        cuda-tp-tests) step cuda-tp-tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py \
+        cuda-tp-tests) step cuda-tp-tests 360 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py \
                 -k tensor_parallel ;;
         allreduce)
             nvidia-smi topo -m >"$OUT/topo.log" 2>&1
@@ -43,6 +43,9 @@ for name in "$@"; do
             cat "$OUT/topo.log" ;;
         llm-tp1) step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 ;;
         llm-tp2) step llm-tp2 300 python3 bench/llm.py --batches 1,256 --tp 2 ;;
+        profile-llm) step profile-llm-tp2 240 python3 bench/llm.py --batches 1,256 --tp 2 --profile
+                     step profile-llm-tp1 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 \
+                         --profile --no-hf ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
         tp1-pair)  # the two TP=1 benches at once, one per GPU

@@ -179,6 +179,8 @@ def _tp2_engine_tokens(path, graphs, results):
         runner.shutdown()
     results.put(([r.cuda_graphs for r in runner.reports], tokens, engine.pool.allocator.used_tokens,
                  [p.exitcode for p in runner.workers.procs]))
+    results.close()
+    results.join_thread()  # the queue's feeder thread must have written before os._exit
     distributed.exit_rank(0)
 
 
@@ -197,7 +199,7 @@ def test_tensor_parallel_graph_replay_equals_eager(root, family):
         proc = ctx.Process(target=_tp2_engine_tokens, args=(path, graphs, out))
         proc.start()
         try:
-            reports, tokens, used, worker_codes = out.get(timeout=240)
+            reports, tokens, used, worker_codes = out.get(timeout=150)
         finally:
             proc.join(60)
             if proc.is_alive():
