@@ -20,6 +20,7 @@ import torch
 
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
+from services.llm.sampling import RequestLimits
 
 CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
 
@@ -58,6 +59,7 @@ class LLMConfig:
     rank: int = 0
     dist_port: int = 0  # rendezvous port of the rank group on 127.0.0.1 (rank 0 picks it before spawning)
     encoders: EncoderTargets = EncoderTargets()
+    limits: RequestLimits = RequestLimits()
     log_level: str = "INFO"
 
     def __post_init__(self):
@@ -70,6 +72,10 @@ class LLMConfig:
         for name in ("max_model_len", "page_size", "max_num_seqs", "max_batch_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        for name, value in vars(self.limits).items():
+            if value < 0:
+                flag = "--max-items-per-request" if name == "max_items" else "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {value}: must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ConfigError(f"--kv-cache-tokens {self.kv_cache_tokens}: must be >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -108,5 +114,7 @@ class LLMConfig:
                                     timeout_s=args.encoder_timeout, allow_foreign=args.allow_foreign_encoders,
                                     shared_memory=args.encoder_shared_memory == "auto",
                                     max_message_bytes=args.max_message_mb << 20),
+            limits=RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                                 max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
             log_level=args.log_level,
         )

@@ -3,11 +3,14 @@
 Text is emitted only once it is final: a token that ends inside a multi-byte
 UTF-8 character (decoded as U+FFFD) is held until the character completes, and
 a tail that could be the start of a stop string is held until it is known not
-to be one, so a stop string never reaches the client. Decoding works on a
+to be one, so a stop string never reaches the client. Stop strings are matched
+incrementally (services/llm/stops.py): each final character is fed once. Decoding works on a
 sliding window of tokens (the vLLM scheme), not on the whole output each step.
 """
 
 from __future__ import annotations
+
+from services.llm.stops import StopMatcher
 
 # Prompt tokens used as left context, so the first output token decodes as it would mid-text.
 _CONTEXT_TOKENS = 5
@@ -36,6 +39,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._decode_fn = fast_decoder(tokenizer)
         self.stop = tuple(stop)
+        self._scan = StopMatcher.for_strings(self.stop).start() if self.stop else None
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.ids: list[int] = context
         self.prefix_offset = 0
@@ -55,40 +59,27 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            self.text += new_text[len(prefix_text):]
+            final = new_text[len(prefix_text):]
+            self.text += final
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self._scan is not None:
+                # Each final character goes through the stop automaton once: the cost of a token is the
+                # text it adds, not the number or length of the stop strings.
+                hit = self._scan.feed(final)
+                if hit is not None:
+                    self.text = self.text[:hit[0]]
+                    self.stopped = True
+                    return self._flush()
         return self._release()
 
     def _release(self) -> str:
-        if self.stop:
-            # Search only where a new match can start: from the emitted point back by the longest stop.
-            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
-            hits = [(self.text.find(s, start), s) for s in self.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos = min(p for p, _ in hits)
-                self.text = self.text[:pos]
-                self.stopped = True
-                return self._flush()
-            hold = self._partial_stop_suffix()
-        else:
-            hold = 0
+        hold = self._scan.partial if self._scan is not None else 0  # could still begin a stop string
         end = len(self.text) - hold
         if end <= self.emitted:
             return ""
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
-
-    def _partial_stop_suffix(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
 
     def _flush(self) -> str:
         out = self.text[self.emitted:]

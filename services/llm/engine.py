@@ -119,6 +119,7 @@ class LLMEngine:
                         seq = self._live.pop(value, None)
                         if seq is not None:
                             self.scheduler.finish(seq, "abort")
+                            self.pool.publish()  # the pool gauge drops now, not at the next step
             except queue.Empty:
                 pass
             if self.scheduler.has_work():

@@ -111,6 +111,8 @@ def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int,
                               f"(rows, {hidden_size})")
     if tensor.shape[0] == 0:
         raise InvalidArgument(f"items[{index}].embedding has no rows")
+    if not bool(torch.isfinite(tensor).all()):  # they would reach every logit of the request: NaN logprobs
+        raise InvalidArgument(f"items[{index}].embedding contains NaN or infinite values")
     rows = item.embedding.num_placeholder_tokens
     if rows and rows != tensor.shape[0]:
         raise InvalidArgument(f"items[{index}]: num_placeholder_tokens {rows} != embedding rows {tensor.shape[0]}")

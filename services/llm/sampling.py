@@ -21,6 +21,36 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine (each a flag of the LLM service): past these, one request
+    could slow every other request on the engine thread or hold memory out of proportion."""
+
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 256
+    max_items: int = 64  # images / audio clips in one request
+
+    def check(self, params: SamplingParams) -> None:
+        def over(what: str, n: int, limit: int, flag: str) -> InvalidArgument:
+            return InvalidArgument(f"sampling.{what}: {n} exceeds this server's limit of {limit} ({flag})")
+
+        if len(params.stop) > self.max_stop_strings:
+            raise over("stop", len(params.stop), self.max_stop_strings, "--max-stop-strings")
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise over("stop", longest, self.max_stop_string_chars, "--max-stop-string-chars; characters of one "
+                                                                    "stop string")
+        if len(params.stop_token_ids) > self.max_stop_token_ids:
+            raise over("stop_token_ids", len(params.stop_token_ids), self.max_stop_token_ids,
+                       "--max-stop-token-ids")
+
+    def check_items(self, n: int) -> None:
+        if n > self.max_items:
+            raise InvalidArgument(f"items: {n} images / audio clips exceed this server's limit of {self.max_items} "
+                                  "per request (--max-items-per-request)")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,7 +69,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def from_proto(cls, msg: pb.SamplingParams, *, default_max_tokens: int, vocab_size: int) -> SamplingParams:
+    def from_proto(cls, msg: pb.SamplingParams, *, default_max_tokens: int, vocab_size: int,
+                   limits: RequestLimits | None = None) -> SamplingParams:
         p = cls(
             temperature=msg.temperature if msg.HasField("temperature") else 1.0,
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -53,6 +84,7 @@ class SamplingParams:
             logprobs=msg.logprobs,
             skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         )
+        (limits or RequestLimits()).check(p)  # counts first: validate walks the lists
         p.validate(vocab_size)
         return p
 

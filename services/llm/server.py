@@ -21,7 +21,7 @@ from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.config import LLMConfig
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
 from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
-from services.llm.sampling import SamplingParams
+from services.llm.sampling import RequestLimits, SamplingParams
 from services.llm.runner import ModelRunner
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
@@ -78,6 +78,15 @@ class LLMService(Service):
                             help="seconds an Encode may take when the Generate call has no deadline")
         parser.add_argument("--allow-foreign-encoders", action="store_true",
                             help="accept embeddings from encoders of another checkpoint (width is still checked)")
+        limits = RequestLimits()
+        parser.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                            help="stop strings one request may send")
+        parser.add_argument("--max-stop-string-chars", type=int, default=limits.max_stop_string_chars,
+                            help="characters of one stop string")
+        parser.add_argument("--max-stop-token-ids", type=int, default=limits.max_stop_token_ids,
+                            help="stop token ids one request may send")
+        parser.add_argument("--max-items-per-request", type=int, default=limits.max_items,
+                            help="images / audio clips one request may carry")
         parser.add_argument("--encoder-shared-memory", choices=("auto", "off"), default="auto",
                             help="auto: take embeddings from encoders on this host through /dev/shm (negotiated per "
                                  "call, bytes otherwise); off: always message bytes")
@@ -154,7 +163,11 @@ class LLMService(Service):
         if self.engine is None:
             raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
         cfg = self.model_config
-        params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size)
+        limits = self.config.limits
+        params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size,
+                                           limits=limits)
+        limits.check_items(len(request.items) + sum(part.HasField("item") for m in request.chat.messages
+                                                    for part in m.content))
         ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
         check_modalities(items, cfg)
         items, decoded = await self.fanout.resolve(items, timeout)
