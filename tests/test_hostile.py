@@ -88,3 +88,78 @@ def test_the_kv_pool_gauge_drops_when_a_request_is_cancelled(llm):
     while _kv_used_metric(llm) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _kv_used_metric(llm) == 0
+
+
+# ---- the audio encoder ---------------------------------------------------------------------------------
+def _wav(samples, rate):
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _tone(freq, rate, seconds):
+    import math
+
+    return torch.sin(2 * math.pi * freq * torch.arange(int(seconds * rate), dtype=torch.float64) / rate)
+
+
+def test_odd_sample_rates_resample_accurately_from_a_table_bounded_by_the_filter():
+    # 96,001 Hz once took a per-sample path: 36 s for a 5 s clip (0.17 s at 96,000 Hz).
+    from services.audio_encoder.audio import Resampler
+
+    resampler = Resampler()
+    y = resampler(_tone(1000.0, 96_001, 1.0), 96_001, 16_000)
+    assert y.shape[-1] == -(-96_001 * 16_000 // 96_001)
+    assert (y - _tone(1000.0, 16_000, 1.0)[:y.shape[-1]])[800:-800].abs().max() < 1e-4
+    for rate in (96_001, 383_999, 44_101):
+        g = __import__("math").gcd(rate, 16_000)
+        assert resampler._table("fine", rate // g, 16_000 // g).numel() <= 2 * resampler.max_fine_table
+
+
+def test_resampling_past_its_budget_is_refused_before_any_work():
+    from services.audio_encoder.audio import Resampler, ResampleTooCostly
+
+    small = Resampler(max_work=10**6)
+    assert small.work(16_000, 96_001, 16_000) > small.max_work
+    with pytest.raises(ResampleTooCostly, match="multiply-adds; the limit is"):
+        small(torch.zeros(16_000), 96_001, 16_000)
+
+
+def test_audio_files_that_lie_are_refused_and_errors_hold_no_addresses(ckpts):
+    import asyncio
+
+    from tests.test_audio_service import _serve, synth
+
+    whisper = tiny.ensure("whisper", ckpts)
+    wav = _wav(synth(1.0), 16_000)
+    cases = [
+        (pb.EncodeItem(data=_wav(synth(0.01, 1_535_999), 1_535_999)), "sample rate 1535999 Hz is outside"),
+        (pb.EncodeItem(data=wav[:len(wav) - 10_000]), "the audio file is truncated (data : 32000 (should be 22000))"),
+    ]
+
+    async def body():
+        service, server, port, _ = await _serve(whisper)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                for item, message in cases:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Encode(pb.EncodeRequest(items=[item]))
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=b"RIFF" + b"x" * 40)]))
+                assert "cannot decode audio bytes" in err.value.details() and "0x" not in err.value.details()
+                # A declared rate that contradicts the file is refused on a warm cache too.
+                await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=wav)]))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=wav, sample_rate=8000)]))
+                assert "contradicts the file's 16000 Hz" in err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 120))

@@ -14,8 +14,9 @@ signal is low-passed at ``rolloff * min(fs_in, fs_out) / 2`` and evaluated at
 the output instants. When the reduced rate ratio ``fs_in/g : fs_out/g`` is
 small (every common rate: 8, 11.025, 22.05, 24, 32, 44.1, 48, 96 kHz) the
 filter is one polyphase table applied with a strided conv1d; for odd ratios
-(44101 Hz) the taps are computed per output sample in chunks, so memory stays
-bounded whatever rate a client sends.
+(44101 Hz, 96001 Hz) the taps are read from a fine table of the filter, in
+chunks, so time and memory stay bounded whatever rate a client sends, and the
+cost is checked before any work (`Resampler.work`, `max_work`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +34,7 @@ from modalmesh.errors import InvalidArgument
 
 MAX_CHANNELS = 64
 MIN_SAMPLE_RATE = 1_000
-MAX_SAMPLE_RATE = 1_536_000
+MAX_SAMPLE_RATE = 384_000  # the highest rate of common converters; beyond it only cost grows
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -56,6 +58,9 @@ def decode_audio(data: bytes, *, what: str, max_seconds: float) -> tuple[torch.T
                               "or raw samples as pcm") from None
     rate = int(info.samplerate)
     _check_rate(rate, what)
+    truncated = _truncation(info.extra_info)
+    if truncated:  # libsndfile reads what is there and says so only here: a shorter clip, silently
+        raise InvalidArgument(f"{what}: the audio file is truncated ({truncated})")
     if info.frames > 0 and info.frames / rate > max_seconds:
         raise InvalidArgument(f"{what}: audio is {info.frames / rate:.1f} s long; this server accepts at most "
                               f"{max_seconds:g} s")
@@ -110,30 +115,63 @@ def _check_samples(wave: torch.Tensor, what: str) -> None:
         raise InvalidArgument(f"{what}: audio contains NaN or infinite samples")
 
 
+def _truncation(extra_info: str) -> str | None:
+    """libsndfile's note that a chunk is shorter than its header says ("data : 32000 (should be 22000)")."""
+    notes = {line.split(":")[0].strip().lower(): " ".join(line.split())
+             for line in extra_info.splitlines() if "should be" in line}
+    return next((notes[chunk] for chunk in ("data", "ssnd", "riff", "form") if chunk in notes), None)
+
+
 def _short(e: Exception) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
+    # No object reprs: "<_io.BytesIO object at 0x7f...>" would tell a client where our heap is.
+    text = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the data", str(e))
+    return " ".join(text.split())[:200] or type(e).__name__
 
 
 # ---- resampling -------------------------------------------------------------------------------
 
 
+class ResampleTooCostly(ValueError):
+    """The resampling would cost more than the resampler's budget (checked before anything is allocated)."""
+
+
 @dataclass(frozen=True)
 class Resampler:
-    """Kaiser-windowed sinc interpolation; defaults are resampy's ``kaiser_best``."""
+    """Kaiser-windowed sinc interpolation; defaults are resampy's ``kaiser_best``.
+
+    Three paths, the cheapest that fits: a strided conv1d over one polyphase table (small reduced
+    ratios: every common rate), a gather over a table of the n phases (larger n), and for any other
+    ratio a gather whose taps are read from a fine table of the filter itself, linearly interpolated
+    (resampy's scheme: its size depends on the filter, never on the rates). Every path costs about
+    2 * width multiply-adds per output sample; a call whose total exceeds `max_work` is refused first.
+    """
 
     zero_crossings: int = 64  # sinc lobes kept on each side of the centre
     rolloff: float = 0.9475937167399596  # cutoff as a fraction of the lower Nyquist frequency
     beta: float = 14.769656459379492  # Kaiser window shape
     max_table: int = 1 << 23  # largest filter table (entries) a path may build
-    chunk: int = 1 << 15  # output samples per chunk on the gather paths
+    chunk_elems: int = 1 << 22  # gathered input samples per chunk on the gather paths (memory bound)
+    precision: int = 1 << 12  # most phases per input sample in the interpolated path's table
+    max_fine_table: int = 1 << 21  # entries of that table (float64), whatever the rates
+    max_work: int = 4 * 10**9  # multiply-adds one call may cost (a few seconds of one core)
 
     def signature(self) -> str:
         return f"kaiser-sinc(z={self.zero_crossings},rolloff={self.rolloff!r},beta={self.beta!r})"
 
+    def work(self, length: int, orig: int, new: int, channels: int = 1) -> int:
+        """Multiply-adds of resampling `channels` rows of `length` samples from `orig` to `new` Hz."""
+        if orig == new:
+            return 0
+        g = math.gcd(orig, new)
+        o, n = orig // g, new // g
+        width = math.ceil(self.zero_crossings / (self.rolloff * min(o, n) / o))
+        return channels * -(-length * n // o) * 2 * width
+
     def __call__(self, x: torch.Tensor, orig: int, new: int, *, path: str | None = None) -> torch.Tensor:
         """Resample the last dim of `x` from `orig` to `new` Hz; output length ceil(N * new / orig).
 
-        `path` forces "conv", "table" or "direct" (tests); by default the cheapest that fits.
+        `path` forces "conv", "table" or "interp" (tests); by default the cheapest that fits.
+        Raises ResampleTooCostly, before any work, when the call would cost more than `max_work`.
         """
         if orig == new:
             return x
@@ -143,17 +181,21 @@ class Resampler:
         out_len = -(-length * n // o)
         r = self.rolloff * min(o, n) / o  # cutoff relative to the input Nyquist frequency
         width = math.ceil(self.zero_crossings / r)  # filter half-length, in input samples
-        if path is None:
-            # conv1d spends 2*width + o multiply-adds per output (fast ones), the table 2*width.
-            conv_ok = n * (2 * width + o) <= self.max_table and o <= 8 * 2 * width
-            path = "conv" if conv_ok else "table" if n * 2 * width <= self.max_table else "direct"
         flat = x.reshape(-1, length)
+        work = flat.shape[0] * out_len * 2 * width
+        if work > self.max_work:
+            raise ResampleTooCostly(f"resampling {length} samples from {orig} to {new} Hz would take {work:.3g} "
+                                    f"multiply-adds; the limit is {self.max_work:.3g}")
+        if path is None:
+            # conv1d spends 2*width + o multiply-adds per output (fast ones), the tables 2*width.
+            conv_ok = n * (2 * width + o) <= self.max_table and o <= 8 * 2 * width
+            path = "conv" if conv_ok else "table" if n * 2 * width <= self.max_table else "interp"
         if path == "conv":
             y = self._conv(flat, o, n, r, width, out_len)
-        elif path in ("table", "direct"):
+        elif path in ("table", "interp"):
             y = self._gather(flat, o, n, r, width, out_len, table=path == "table")
         else:
-            raise ValueError(f"path {path!r}: expected conv, table or direct")
+            raise ValueError(f"path {path!r}: expected conv, table or interp")
         return y.reshape(*x.shape[:-1], out_len)
 
     def _taps(self, offset: torch.Tensor, r: float) -> torch.Tensor:
@@ -166,10 +208,15 @@ class Resampler:
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a few rates recur; the instance is frozen and global
     def _table(self, kind: str, o: int, n: int) -> torch.Tensor:
-        """float32 filter table: "conv" (n, 2*width + o) taps aligned on blocks of o inputs, or
-        "phase" (n, 2*width) taps around floor(output instant) for each of the n phases."""
+        """Filter tables: "conv" (n, 2*width + o) taps aligned on blocks of o inputs, "phase" (n, 2*width)
+        taps around floor(output instant) for each of the n phases (float32), or "fine" (P + 1, 2*width)
+        taps for P evenly spaced phases and the end point (float64; its size depends on the filter only)."""
         r = self.rolloff * min(o, n) / o
         width = math.ceil(self.zero_crossings / r)
+        if kind == "fine":
+            k = torch.arange(-width + 1, width + 1, dtype=torch.float64)
+            phases = self._phases(width)
+            return self._taps(torch.arange(phases + 1, dtype=torch.float64)[:, None] / phases - k[None, :], r)
         if kind == "conv":
             k = torch.arange(-width, width + o, dtype=torch.float64)
             offsets = torch.arange(n, dtype=torch.float64)[:, None] * o / n - k[None, :]
@@ -177,6 +224,9 @@ class Resampler:
             k = torch.arange(-width + 1, width + 1, dtype=torch.float64)
             offsets = torch.arange(n, dtype=torch.float64)[:, None] / n - k[None, :]
         return self._taps(offsets, r).to(torch.float32)
+
+    def _phases(self, width: int) -> int:
+        return max(64, min(self.precision, self.max_fine_table // (2 * width)))
 
     def _conv(self, x: torch.Tensor, o: int, n: int, r: float, width: int, out_len: int) -> torch.Tensor:
         # Output j = q*n + p sits at input time q*o + p*o/n. Block q reads inputs q*o - width ..
@@ -190,20 +240,25 @@ class Resampler:
                 table: bool) -> torch.Tensor:
         # Output j sits at input time base + frac, base = j*o // n, frac = (j*o mod n) / n: it reads
         # inputs base - width + 1 .. base + width. Weights depend only on the phase j*o mod n: one
-        # (n, 2*width) table when it fits, else computed per output sample.
-        k = torch.arange(-width + 1, width + 1, dtype=torch.int64)
+        # (n, 2*width) table when it fits, else interpolated between the two nearest rows of the fine table.
         weights_of_phase = self._table("phase", o, n).to(device=x.device, dtype=x.dtype) if table else None
+        fine = None if table else self._table("fine", o, n).to(device=x.device, dtype=x.dtype)
+        phases = self._phases(width)
         padded = torch.nn.functional.pad(x, (width, width + 1))
         windows = [row.unfold(0, 2 * width, 1) for row in padded]  # (positions, 2*width) views
         out = x.new_empty(x.shape[0], out_len)
-        for start in range(0, out_len, self.chunk):
-            j = torch.arange(start, min(out_len, start + self.chunk), dtype=torch.int64)
+        chunk = max(1, self.chunk_elems // (2 * width))
+        for start in range(0, out_len, chunk):
+            j = torch.arange(start, min(out_len, start + chunk), dtype=torch.int64)
             base, phase = j * o // n, j * o % n
             if weights_of_phase is not None:
                 weights = weights_of_phase.index_select(0, phase.to(x.device))
             else:
-                frac = phase.to(torch.float64) / n
-                weights = self._taps(frac[:, None] - k[None, :], r).to(device=x.device, dtype=x.dtype)
+                at = phase.to(torch.float64) * phases / n
+                lo = at.floor().long().clamp(max=phases - 1)
+                frac = (at - lo).to(device=x.device, dtype=x.dtype)[:, None]
+                lo = lo.to(x.device)
+                weights = torch.lerp(fine.index_select(0, lo), fine.index_select(0, lo + 1), frac)
             # Window starting at padded index base + 1 holds inputs base - width + 1 .. base + width.
             starts = (base + 1).to(x.device)
             for b, win in enumerate(windows):

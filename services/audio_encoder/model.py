@@ -39,7 +39,14 @@ from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.rpc.codec import from_proto
 from modalmesh.weights import CheckpointReader, LoadReport, load_dummy_weights, load_weights
-from services.audio_encoder.audio import DEFAULT_RESAMPLER, Resampler, decode_audio, downmix, pcm_audio
+from services.audio_encoder.audio import (
+    DEFAULT_RESAMPLER,
+    Resampler,
+    ResampleTooCostly,
+    decode_audio,
+    downmix,
+    pcm_audio,
+)
 from services.audio_encoder.features import FeatureConfig, LogMel
 from services.audio_encoder.models import AudioEncoderDims, Qwen2AudioTower, WhisperAudioEncoder
 from services.audio_encoder.models.qwen2_audio import output_rows
@@ -106,7 +113,9 @@ class AudioEncoderModel(EncoderModel):
         digest = hashlib.sha256(self.signature)
         source = item.WhichOneof("source")
         if source == "data":
-            digest.update(b"data\0" + item.data)
+            # The declared rate too: one that contradicts the file is refused by prepare(), never answered
+            # from an entry cached for the file without it.
+            digest.update(struct.pack("<4sq", b"data", item.sample_rate) + item.data)
         elif source == "pcm":
             digest.update(struct.pack("<4sqq", b"pcm\0", item.pcm.dtype, item.sample_rate))
             digest.update(repr(list(item.pcm.shape)).encode() + b"\0" + item.pcm.data)
@@ -131,7 +140,10 @@ class AudioEncoderModel(EncoderModel):
                                   "or pcm samples")
         else:
             raise InvalidArgument(f"{what}: no audio: set data (WAV, FLAC, OGG bytes) or pcm with sample_rate")
-        mono = self.resampler(downmix(wave), rate, self.features.sampling_rate)
+        try:
+            mono = self.resampler(downmix(wave), rate, self.features.sampling_rate)
+        except ResampleTooCostly as exc:
+            raise InvalidArgument(f"{what}: {exc}") from None
         feats = self.logmel(mono)
         frames = torch.tensor(feats.frames, dtype=torch.int64)
         positions = conv_output_lengths(frames)
