@@ -57,21 +57,64 @@ def test_too_many_items_are_refused_before_any_encoder_is_asked(llm):
     assert "--max-items-per-request" in _refused(llm, chat=chat)
 
 
-def test_nan_or_infinite_embeddings_are_refused(ckpts):
-    model_dir = tiny.ensure("qwen2_vl", ckpts)
-    server = LLM(model_dir)
-    try:
-        hidden = server.stub.Info(pb.InfoRequest(), timeout=10).hidden_size
-        for bad in (float("nan"), float("inf")):
-            rows = torch.zeros(4, hidden)
-            rows[1, 3] = bad
-            item = pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(embedding=to_proto(rows),
-                                                                              grid_thw=[1, 4, 4]))
-            details = _refused(server, text="<|vision_start|><|image_pad|><|vision_end|>", items=[item],
-                               sampling=greedy(2))
-            assert "items[0].embedding contains NaN or infinite values" in details
-    finally:
-        server.close()
+@pytest.fixture(scope="module")
+def vl(ckpts):
+    server = LLM(tiny.ensure("qwen2_vl", ckpts))
+    yield server
+    server.close()
+
+
+def _image_item(rows, grid):
+    return pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(embedding=to_proto(rows), grid_thw=grid))
+
+
+IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def test_nan_or_infinite_embeddings_are_refused(vl):
+    hidden = vl.stub.Info(pb.InfoRequest(), timeout=10).hidden_size
+    for bad in (float("nan"), float("inf")):
+        rows = torch.zeros(4, hidden)
+        rows[1, 3] = bad
+        details = _refused(vl, text=IMAGE_TEXT, items=[_image_item(rows, [1, 4, 4])], sampling=greedy(2))
+        assert "items[0].embedding contains NaN or infinite values" in details
+
+
+def test_negative_grids_and_overflowing_empty_shapes_are_invalid_argument(vl):
+    hidden = vl.stub.Info(pb.InfoRequest(), timeout=10).hidden_size
+    # (-1) * (-4 // 2) * (4 // 2) == 4 rows: the count alone let a negative grid through to INTERNAL.
+    details = _refused(vl, text=IMAGE_TEXT, items=[_image_item(torch.zeros(4, hidden), [-1, -4, 4])],
+                       sampling=greedy(2))
+    assert "grid_thw [-1, -4, 4] does not describe its 4 rows" in details
+    empty = pb.Tensor(dtype=pb.FLOAT32, shape=[0, 2**62, hidden])
+    item = pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(embedding=empty, grid_thw=[1, 4, 4]))
+    assert "is too large" in _refused(vl, text=IMAGE_TEXT, items=[item], sampling=greedy(2))
+    assert vl.generate(text="fine", sampling=greedy(2))[0]
+
+
+def _requests_total(llm, rpc, code):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{llm.proc.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
+               if s.name == "modalmesh_requests_total" and s.labels.get("rpc") == rpc
+               and s.labels.get("code") == code)
+
+
+def test_corrupt_messages_and_bad_utf8_are_invalid_argument_and_counted(llm):
+    good = pb.GenerateRequest(text="ab", sampling=greedy(2)).SerializeToString()
+    generate = llm.channel.unary_stream("/modalmesh.v1.LLMService/Generate")
+    info = llm.channel.unary_unary("/modalmesh.v1.LLMService/Info")
+    before = _requests_total(llm, "Generate", "INVALID_ARGUMENT")
+    for raw, why in ((b"\xff\xff\xff", "Wire format was corrupt"),
+                     (good.replace(b"ab", b"\xff\xfe"), "String field had bad UTF-8")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(raw, timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == f"the request is not a valid Generate message: {why}"
+    with pytest.raises(grpc.RpcError) as err:
+        info(b"\xff\xff\xff", timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _requests_total(llm, "Generate", "INVALID_ARGUMENT") == before + 2
+    assert len(list(generate(good, timeout=30))) >= 1  # raw bytes that parse are served as before
 
 
 def _kv_used_metric(llm):

@@ -69,6 +69,10 @@ def to_proto(tensor: torch.Tensor) -> pb.Tensor:
     return meta
 
 
+MAX_DIMS = 32
+MAX_EXTENT = 1 << 48
+
+
 def from_proto(
     message: pb.Tensor,
     *,
@@ -102,6 +106,10 @@ def from_payload(
     shape = tuple(int(d) for d in meta.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > MAX_EXTENT:
+        # Even an empty tensor (a 0 dimension) has strides: torch cannot lay out one this large.
+        raise InvalidArgument(f"{name}: shape {list(shape)} is too large (at most {MAX_DIMS} dimensions and "
+                              f"{MAX_EXTENT} elements ignoring zero dimensions)")
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     expected = numel * itemsize

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from modalmesh.errors import ModalmeshError, one_line
+from modalmesh.errors import InvalidArgument, ModalmeshError, one_line
 from modalmesh.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,36 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.code = "OK"
+
+
+class _Undecodable:
+    """A request the method's deserializer refused: the handler answers INVALID_ARGUMENT (and counts it)
+    instead of grpc's UNKNOWN with a traceback logged for every call."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, bad UTF-8, anything a parser raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _check_decoded(request, rpc: str) -> None:
+    if isinstance(request, _Undecodable):
+        # The parser's own words ("String field had bad UTF-8", "Wire format was corrupt"), minus its type name.
+        why = str(request.error).rsplit(":", 1)[-1].strip() or type(request.error).__name__
+        raise InvalidArgument(f"the request is not a valid {rpc} message: {why}")
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
@@ -39,13 +69,13 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, rpc),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, rpc),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
@@ -65,6 +95,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             outcome = _Outcome()
             start = self._begin(rpc)
             try:
+                _check_decoded(request, rpc)
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
                     result = await result
@@ -82,6 +113,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             outcome = _Outcome()
             start = self._begin(rpc)
             try:
+                _check_decoded(request, rpc)
                 result = behavior(request, context)
                 if inspect.isasyncgen(result):
                     async for item in result:

@@ -185,7 +185,7 @@ def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfi
             if span.modality != pb.IMAGE:
                 continue
             grid = span.grid_thw
-            if len(grid) != 3 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
+            if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
                 raise InvalidArgument(f"image at token {span.start}: grid_thw {list(grid)} does not describe its "
                                       f"{span.embedding.shape[0]} rows (merge {spatial_merge})")
             image_spans.append((span.start, grid))
