@@ -24,7 +24,7 @@ from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
 from modalmesh.launcher import die_with_parent
-from modalmesh.rpc.server import MiB, GrpcServer, ServerConfig, serve_until_signal
+from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
 
@@ -78,6 +78,10 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
     parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
     parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
     parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM")
+    parser.add_argument("--max-connection-age", type=float, default=300.0,
+                        help="seconds before a client connection is asked to reconnect (load balancing); 0: never")
+    parser.add_argument("--max-connection-age-grace", type=float, default=None,
+                        help="seconds calls in flight on an aged connection may still run (default: unlimited)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -192,25 +196,36 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
     )
     metrics = metrics_mod.install(metrics_mod.Metrics(service_cls.name))
     try:
+        config = server_config(args)
         service = service_cls(args, metrics)
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    code = asyncio.run(_serve(service, args, metrics))
+    code = asyncio.run(_serve(service, config, args, metrics))
     # The drain is done: a late second signal must not turn a clean exit into -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code
 
 
-async def _serve(service: Service, args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
-    config = ServerConfig(
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The gRPC server's settings from the common flags."""
+    if args.max_connection_age < 0 or (args.max_connection_age_grace is not None and args.max_connection_age_grace < 0):
+        raise ConfigError("--max-connection-age and --max-connection-age-grace must be >= 0")
+    grace = args.max_connection_age_grace
+    return ServerConfig(
         host=args.host,
         port=args.port,
         max_message_bytes=args.max_message_mb * MiB,
         grace_seconds=args.grace_period,
+        max_connection_age_ms=int(args.max_connection_age * 1000),
+        max_connection_age_grace_ms=FOREVER_MS if grace is None else min(FOREVER_MS, int(grace * 1000)),
     )
+
+
+async def _serve(service: Service, config: ServerConfig, args: argparse.Namespace,
+                 metrics: metrics_mod.Metrics) -> int:
     server = GrpcServer(config, metrics)
     service.register(server)
     metrics_port = -1

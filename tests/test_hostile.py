@@ -206,3 +206,76 @@ def test_audio_files_that_lie_are_refused_and_errors_hold_no_addresses(ckpts):
             await service.close()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+# ---- connection ageing ----------------------------------------------------------------------------------
+class _Slow(pb.encoder_pb2_grpc.EncoderServiceServicer):
+    async def Encode(self, request, context):
+        import asyncio
+
+        await asyncio.sleep(float(request.request_id or 0))
+        return pb.EncodeResponse(model_id="slow")
+
+    async def Info(self, request, context):
+        return pb.ServiceInfo(service="slow", ready=True)
+
+
+async def _aged_server(*flags):
+    from modalmesh.rpc.server import GrpcServer
+    from modalmesh.service import build_parser, server_config
+
+    args = build_parser("slow", "").parse_args(["--host", "127.0.0.1", "--port", "0", *flags])
+    server = GrpcServer(server_config(args))
+    server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server, _Slow())
+    port = await server.start()
+    await server.set_serving(True)
+    return server, port
+
+
+def test_an_aged_connection_never_cuts_a_call_in_flight_unless_told_to():
+    # Calls outlive the connection's age (0.3 s) several times over: by default they finish.
+    import asyncio
+
+    async def body():
+        for flags, expect in ((["--max-connection-age", "0.3"], grpc.StatusCode.OK),
+                              (["--max-connection-age", "0.3", "--max-connection-age-grace", "0.3"],
+                               grpc.StatusCode.UNAVAILABLE)):
+            server, port = await _aged_server(*flags)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                    try:
+                        await stub.Encode(pb.EncodeRequest(request_id="1.5"), timeout=30)
+                        code = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as exc:
+                        code = exc.code()
+                    assert code == expect, flags
+            finally:
+                await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_the_gateway_keeps_a_healthy_backend_up_across_connection_ageing():
+    # Each GOAWAY ended the health stream and marked the backend UNREACHABLE: 503s every ~5 minutes.
+    import asyncio
+
+    from services.gateway.backends import Backend
+
+    async def body():
+        # A finite grace, so the health stream itself is cut as each connection ages out.
+        server, port = await _aged_server("--max-connection-age", "0.2", "--max-connection-age-grace", "0.2")
+        seen = []
+        backend = Backend("vision_encoder", f"127.0.0.1:{port}", pb.encoder_pb2_grpc.EncoderServiceStub,
+                          max_message_bytes=1 << 20, on_change=lambda: seen.append(backend.status))
+        backend.start()
+        try:
+            deadline = asyncio.get_running_loop().time() + 2.5  # about a dozen aged connections
+            while asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await backend.close()
+            await server.stop(0)
+        assert seen and seen[0] == "SERVING" and "UNREACHABLE" not in seen, seen
+
+    asyncio.run(asyncio.wait_for(body(), 60))

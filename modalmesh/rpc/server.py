@@ -26,6 +26,7 @@ from modalmesh.rpc.interceptor import StatusInterceptor
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+FOREVER_MS = 2**31 - 1  # grpc's "infinite" for its millisecond options
 
 
 @dataclass(frozen=True)
@@ -34,18 +35,21 @@ class ServerConfig:
     port: int = 50051
     max_message_bytes: int = 64 * MiB
     grace_seconds: float = 30.0
-    # Clients re-resolve DNS when a connection ages out: new replicas get traffic.
+    # Clients re-resolve DNS when a connection ages out (GOAWAY): new replicas get traffic. In-flight
+    # calls are never cut by default — a Generate stream can run for many minutes — so the grace is
+    # unlimited; 0 turns ageing off.
     max_connection_age_ms: int = 5 * 60_000
-    max_connection_age_grace_ms: int = 60_000
+    max_connection_age_grace_ms: int = FOREVER_MS
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
 
     def options(self) -> list[tuple[str, int]]:
+        ageing = [("grpc.max_connection_age_ms", self.max_connection_age_ms),
+                  ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_ms)]
         return [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_connection_age_ms", self.max_connection_age_ms),
-            ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_ms),
+            *(ageing if self.max_connection_age_ms > 0 else []),
             ("grpc.keepalive_time_ms", self.keepalive_time_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
             ("grpc.keepalive_permit_without_calls", 1),

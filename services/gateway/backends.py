@@ -2,7 +2,9 @@
 
 Each backend has one channel (``dns:///`` + round_robin, as every modalmesh client)
 and a task that watches its ``grpc.health.v1`` status (the Watch stream, re-opened
-with back-off when the service goes away). When the LLM turns SERVING its Info is
+with back-off when the service goes away; a stream that ends on a backend whose
+one `Check` still says SERVING — its connection aged out — is re-opened at once,
+the backend never marked down). When the LLM turns SERVING its Info is
 fetched again: the model id the gateway serves is the LLM's.
 """
 
@@ -77,11 +79,24 @@ class Backend:
                         self.info = None
                     self._set(status, "")
                     backoff = 0.05
-                self._set(UNREACHABLE, "health stream ended")
+                down = "health stream ended"
             except grpc.aio.AioRpcError as exc:
-                self.info = None
-                self._set(UNREACHABLE, f"{exc.code().name}: {exc.details()}")
+                down = f"{exc.code().name}: {exc.details()}"
             finally:
                 call.cancel()
+            # A stream also ends when its connection ages out (GOAWAY) on a healthy backend: ask once,
+            # on a fresh connection, before sending requests away from it.
+            if await self._still_serving(health):
+                backoff = 0.05
+                continue
+            self.info = None
+            self._set(UNREACHABLE, down)
             await asyncio.sleep(backoff)  # back-off while the service is away
             backoff = min(backoff * 2, 2.0)
+
+    async def _still_serving(self, health) -> bool:
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
