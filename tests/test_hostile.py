@@ -279,3 +279,31 @@ def test_the_gateway_keeps_a_healthy_backend_up_across_connection_ageing():
         assert seen and seen[0] == "SERVING" and "UNREACHABLE" not in seen, seen
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+# ---- attention selection ----------------------------------------------------------------------------
+def test_a_global_override_goes_only_where_it_fits(monkeypatch):
+    # --attention-backend fa3 (global) on an H200 made FP32 head-dim-512 (the SD VAE mid-block) and paged
+    # components a start-up error; docs/attention.md promises they go to the best backend that fits.
+    import sys
+
+    from prometheus_client import CollectorRegistry
+
+    from modalmesh.attention import AttentionSelector, Needs, registry
+    from modalmesh.metrics import Metrics
+    from tests.test_attention_selection import HOPPER, _kernel_module
+
+    for name in ("flash_attn", "triton"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", _kernel_module("flash_attn_interface"))
+    registry.forget_probes()
+    try:
+        selector = AttentionSelector("fa3", platform=HOPPER, metrics=Metrics("t", CollectorRegistry()))
+        vae = selector.select("vae", Needs(torch.float32, 512, seqlen_hint=4096))
+        paged = selector.select("llm", Needs(torch.float32, 128, layouts=("paged",), page_size=16))
+        taken = selector.select("vision_encoder", Needs(torch.bfloat16, 128))
+    finally:
+        registry.forget_probes()
+    assert vae.backend != "fa3" and vae.rejected["fa3"].startswith("global override skipped")
+    assert paged.backend != "fa3" and "dtype float32 unsupported" in paged.rejected["fa3"]
+    assert (taken.backend, taken.reason) == ("fa3", "global override")
