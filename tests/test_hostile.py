@@ -307,3 +307,51 @@ def test_a_global_override_goes_only_where_it_fits(monkeypatch):
     assert vae.backend != "fa3" and vae.rejected["fa3"].startswith("global override skipped")
     assert paged.backend != "fa3" and "dtype float32 unsupported" in paged.rejected["fa3"]
     assert (taken.backend, taken.reason) == ("fa3", "global override")
+
+
+# ---- the gateway -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gateway(ckpts, llm):
+    from modalmesh.launcher import ServiceProcess
+    from services.gateway.launch import GatewayProcess
+    from tests.test_gateway import COMMON, GATEWAY
+
+    vae = ServiceProcess("vae", [*COMMON, "--model", str(tiny.ensure("vae", ckpts))]).start()
+    try:
+        vae.wait_serving(timeout=180)
+        gw = GatewayProcess([*GATEWAY, "--llm", llm.proc.target, "--vae", vae.target]).start()
+        try:
+            gw.wait_serving(timeout=120)
+            yield gw
+        finally:
+            assert gw.terminate(timeout=30) == 0
+    finally:
+        vae.terminate(timeout=60)
+
+
+def _latents_body(**options):
+    import base64
+
+    return {"latents": base64.b64encode(torch.zeros(1, 4, 4, 4).numpy().tobytes()).decode(), "shape": [1, 4, 4, 4],
+            **options}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # Deeply nested JSON: the parser's RecursionError was a 500.
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    # Integers past the int32 gRPC fields they land in.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**40}, "top_k"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [2**40]},
+     "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2**40]}, "prompt"),
+    ("/v1/images/decode", _latents_body(tile_latent_size=2**40), "tile_latent_size"),
+    # A lone surrogate cannot be UTF-8 (protobuf strings are).
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages[0].content"),
+])
+def test_client_errors_at_the_gateway_are_400_not_500(gateway, path, body, param):
+    from tests.test_gateway import assert_openai_error, post
+
+    status, _, answer = post(gateway, path, body)
+    assert_openai_error(status, answer, 400, param=param)
+    status, _, _ = post(gateway, "/v1/completions", {"prompt": "still", "max_tokens": 2})
+    assert status == 200

@@ -58,6 +58,9 @@ def _number(body: dict, key: str, *, minimum: float | None = None, maximum: floa
     return float(value)
 
 
+INT32_MAX = (1 << 31) - 1  # the gRPC fields these land in are int32
+
+
 def _integer(body: dict, key: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
@@ -101,7 +104,7 @@ def sampling_params(body: dict, *, chat: bool) -> pb.SamplingParams:
         s.temperature = t
     if (p := _number(body, "top_p", minimum=0.0, maximum=1.0, exclusive_min=True)) is not None:
         s.top_p = p
-    if (k := _integer(body, "top_k", minimum=-1)) is not None:
+    if (k := _integer(body, "top_k", minimum=-1, maximum=INT32_MAX)) is not None:
         s.top_k = k
     if (r := _number(body, "repetition_penalty", minimum=0.0, exclusive_min=True)) is not None:
         s.repetition_penalty = r
@@ -120,6 +123,8 @@ def sampling_params(body: dict, *, chat: bool) -> pb.SamplingParams:
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
             raise bad_request("stop_token_ids must be a list of integers", "stop_token_ids")
+        if any(not 0 <= x <= INT32_MAX for x in ids):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {INT32_MAX}]", "stop_token_ids")
         s.stop_token_ids.extend(ids)
     if (seed := _integer(body, "seed")) is not None:
         if not -UINT64 // 2 <= seed < UINT64:
@@ -249,6 +254,8 @@ def completion_request(body: dict, request_id: str) -> ParsedRequest:
             raise bad_request("prompt is empty", "prompt")
         req.text = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t <= INT32_MAX for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {INT32_MAX}]", "prompt")
         req.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         _unsupported("prompt", "one prompt per request (send the prompts of a batch as separate requests)")

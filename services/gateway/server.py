@@ -102,6 +102,34 @@ def _flag(value, name: str) -> bool:
     return text in _TRUE
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value, path: str, depth: int = 0) -> str | None:
+    """The path ("messages[0].content") of the first string or key that cannot be UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if depth > 64:
+        return None
+    if isinstance(value, dict):
+        children = ((f"{path}.{key}" if path else str(key), key, child) for key, child in value.items())
+    elif isinstance(value, list):
+        children = ((f"{path}[{i}]", None, child) for i, child in enumerate(value))
+    else:
+        return None
+    for here, key, child in children:
+        if isinstance(key, str) and _lone_surrogate(key, here) is not None:
+            return here
+        found = _lone_surrogate(child, here, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
 class Gateway:
     def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics):
         self.args = args
@@ -226,8 +254,15 @@ class Gateway:
                 body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object", code="invalid_json")
+        if _SURROGATE_ESCAPE.search(raw):  # valid pairs are fine; a lone half cannot become UTF-8 (gRPC)
+            where = _lone_surrogate(body, "")
+            if where is not None:
+                raise bad_request(f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                                  "not valid Unicode text", where or None, code="invalid_json")
         return body
 
     # -- /v1/chat/completions, /v1/completions ------------------------------------------------------
@@ -394,8 +429,8 @@ class Gateway:
                     value = int(options[key])
                 except (TypeError, ValueError):
                     raise bad_request(f"{key} must be an integer", key) from None
-                if value < 0:
-                    raise bad_request(f"{key} must be >= 0", key)
+                if not 0 <= value <= protocol.INT32_MAX:
+                    raise bad_request(f"{key} must be in [0, {protocol.INT32_MAX}]", key)
                 setattr(decode.tiling, key, value)
         try:
             reply = await vae.stub.Decode(decode, timeout=self.args.decode_timeout)
