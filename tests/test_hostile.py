@@ -355,3 +355,24 @@ def test_client_errors_at_the_gateway_are_400_not_500(gateway, path, body, param
     assert_openai_error(status, answer, 400, param=param)
     status, _, _ = post(gateway, "/v1/completions", {"prompt": "still", "max_tokens": 2})
     assert status == 200
+
+
+def test_a_drain_ends_when_the_calls_end_not_when_the_health_watches_do():
+    # A gateway's health Watch never finishes: every LLM drain waited its whole grace period (30 s).
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def body():
+        server, port = await _aged_server("--grace-period", "120")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            slow = asyncio.ensure_future(pb.encoder_pb2_grpc.EncoderServiceStub(channel).Encode(
+                pb.EncodeRequest(request_id="1.0"), timeout=60))
+            await asyncio.sleep(0.3)  # in the server's hands
+            await asyncio.wait_for(server.drain(), 20)  # far inside the 120 s grace
+            assert (await slow).model_id == "slow"  # the call in flight finished first
+            watch.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 60))

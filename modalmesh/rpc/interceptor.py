@@ -59,6 +59,15 @@ def _check_decoded(request, rpc: str) -> None:
 class StatusInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None):
         self._metrics = metrics
+        self.active = 0  # the services' own calls in flight (health and reflection not counted)
+        self._idle: asyncio.Event | None = None
+
+    async def wait_idle(self) -> None:
+        """Until no call of the services' own is in flight (health watches may stay open)."""
+        while self.active:
+            self._idle = self._idle or asyncio.Event()
+            self._idle.clear()
+            await self._idle.wait()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -150,11 +159,15 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__} (details in the server log)")
 
     def _begin(self, rpc: str) -> float:
+        self.active += 1
         if self._metrics is not None:
             self._metrics.requests_in_flight.labels(rpc=rpc).inc()
         return time.perf_counter()
 
     def _end(self, rpc: str, start: float, outcome: _Outcome, context) -> None:
+        self.active -= 1
+        if not self.active and self._idle is not None:
+            self._idle.set()
         if outcome.code == "OK":  # a handler may set a code without raising
             code = _context_code(context)
             if code is not None and code != grpc.StatusCode.OK:

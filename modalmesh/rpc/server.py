@@ -63,7 +63,8 @@ class GrpcServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
         self.config = config
         self.metrics = metrics
-        self._server = grpc.aio.server(interceptors=[StatusInterceptor(metrics)], options=config.options())
+        self.interceptor = StatusInterceptor(metrics)
+        self._server = grpc.aio.server(interceptors=[self.interceptor], options=config.options())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._services: list[str] = []
@@ -106,6 +107,14 @@ class GrpcServer:
         await asyncio.sleep(0)  # let stop() begin refusing new calls before waking anyone
         if self.draining is not None:
             self.draining.set()
+        # The grace is for the services' own calls: once they are done, end now. Health watches (a
+        # gateway's, a load balancer's) never finish by themselves and would hold every drain to the full
+        # grace period.
+        idle = asyncio.ensure_future(self.interceptor.wait_idle())
+        await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            await self._server.stop(0)
+        idle.cancel()
         await stopping
 
     async def stop(self, grace: float | None = None) -> None:
