@@ -376,3 +376,18 @@ def test_a_drain_ends_when_the_calls_end_not_when_the_health_watches_do():
             watch.cancel()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_with_every_encoder_down_a_request_fails_at_once_as_unavailable(ckpts):
+    # It waited for a READY replica until its deadline (60 s by default), then DEADLINE_EXCEEDED.
+    from modalmesh import distributed
+
+    server = LLM(tiny.ensure("qwen2_vl", ckpts), "--vision-encoder", f"ipv4:127.0.0.1:{distributed.free_port()}")
+    try:
+        item = pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=b"png"))
+        with pytest.raises(grpc.RpcError) as err:
+            server.generate(timeout=30, text=IMAGE_TEXT, items=[item], sampling=greedy(2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "items[0]" in err.value.details()
+    finally:
+        server.close()

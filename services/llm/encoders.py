@@ -96,7 +96,9 @@ class EncoderPool:
             if offer and self.probe is not None:
                 request.transfer.CopyFrom(self.probe.options())
             try:
-                parsed = await self._encode(request, timeout=remaining, wait_for_ready=True)
+                # Not wait_for_ready: with every replica down (the channel in TRANSIENT_FAILURE) the call fails
+                # at once instead of holding the request to its deadline; while connecting it still waits.
+                parsed = await self._encode(request, timeout=remaining, wait_for_ready=False)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
