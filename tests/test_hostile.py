@@ -391,3 +391,83 @@ def test_with_every_encoder_down_a_request_fails_at_once_as_unavailable(ckpts):
         assert "items[0]" in err.value.details()
     finally:
         server.close()
+
+
+# ---- the vision encoder ---------------------------------------------------------------------------------
+def _png(width, height, mode):
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (width, height), (10, 200, 30, 128)[:len(mode)]).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_are_refused_by_what_they_decode_to_and_decodes_share_one_memory_budget(ckpts):
+    # A 261 KB 8192^2 RGBA PNG cost 1.3 GB; four in one request peaked at 4.7 GB. Here in miniature: an
+    # RGBA image decodes to a third more than an RGB one of the same pixels, and its conversion peaks higher.
+    import asyncio
+
+    from tests.test_vision_service import _serve
+
+    model_dir = tiny.ensure("qwen2_vl", ckpts)
+
+    async def body():
+        service, server, port, _, _ = await _serve(model_dir, "--max-image-decoded-mb", "1.2",
+                                                   "--decode-memory-mb", "4")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                ok = await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=_png(600, 600, "RGB"))]))
+                assert ok.embeddings[0].num_placeholder_tokens > 0
+                for data, message in ((_png(600, 600, "RGBA"), "decodes to 1 MiB; the server's limit is 1 MiB "
+                                                               "(--max-image-decoded-mb)"),
+                                      (_png(500, 500, "RGBA"), "(--decode-memory-mb)")):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=data)]))
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert message in err.value.details(), err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+        assert service.model.decode_budget.held == 0
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_decode_waits_for_its_share_of_the_budget():
+    import threading
+
+    from modalmesh.errors import ResourceExhausted
+    from services.vision_encoder.decode_memory import DecodeBudget
+
+    budget = DecodeBudget(100, wait_s=30)
+    first_in, release, second_in = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with budget.hold(70, "a"):
+            first_in.set()
+            release.wait(10)
+
+    def second():
+        with budget.hold(70, "b"):
+            second_in.set()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert first_in.wait(10)
+    b = threading.Thread(target=second)
+    b.start()
+    assert not second_in.wait(0.3)  # 70 + 70 > 100: it waits
+    release.set()
+    assert second_in.wait(10)
+    a.join(10)
+    b.join(10)
+    assert budget.held == 0
+    busy = DecodeBudget(100, wait_s=0.2)
+    with busy.hold(70, "a"):
+        with pytest.raises(ResourceExhausted, match="busy decoding other large images"):
+            with busy.hold(70, "b"):
+                pass
+    assert busy.held == 0

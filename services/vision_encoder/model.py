@@ -31,6 +31,12 @@ from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.weights import load_checkpoint
 from services.vision_encoder import preprocess as pp
+from services.vision_encoder.decode_memory import (
+    DEFAULT_DECODE_MEMORY,
+    DEFAULT_MAX_DECODED_BYTES,
+    DecodeBudget,
+    peak_bytes,
+)
 from services.vision_encoder.models import SiglipVisionTower, tower_class
 
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OPTIONS = {
     "max_image_pixels": pp.DEFAULT_MAX_IMAGE_PIXELS,  # decoded image size limit (decompression bombs)
+    "max_image_decoded_bytes": DEFAULT_MAX_DECODED_BYTES,  # ... and in bytes (RGBA, 16-bit)
+    "decode_memory_bytes": DEFAULT_DECODE_MEMORY,  # estimated peaks of the decodes in flight, together
     "max_request_pixels": 0,  # per-item max_pixels may not exceed this (0: the checkpoint's max_pixels)
     "siglip_output": "patch",  # "patch" | "pooled" | "both"
 }
@@ -85,6 +93,7 @@ class VisionEncoderModel(EncoderModel):
         self.processor = self._processor(cls)
         limit = int(self.options["max_request_pixels"]) or (self.processor.max_pixels if self.native else 0)
         self.max_request_pixels = limit
+        self.decode_budget = DecodeBudget(int(self.options["decode_memory_bytes"]))
         if int(self.options["max_image_pixels"]) > (Image.MAX_IMAGE_PIXELS or 0):
             Image.MAX_IMAGE_PIXELS = int(self.options["max_image_pixels"])  # ours is checked before decoding
         self._key_base = hashlib.sha256(b"\0".join([
@@ -124,14 +133,21 @@ class VisionEncoderModel(EncoderModel):
         key = self.cache_key(item, index)
         if self.native:
             lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
-        image = pp.decode_image(item, index, max_image_pixels=int(self.options["max_image_pixels"]))
-        image = pp.to_rgb(image)
-        if self.native:
-            rows, grid = pp.qwen2_vl_pixels(image, self.processor, lo, hi, where)
-            t, h, w = grid
-            return PreparedItem(inputs={"pixel_values": torch.from_numpy(rows)}, cost=t * h * w,
-                                cache_key=key, meta={"grid_thw": grid})
-        pixels = pp.fixed_pixels(image, self.processor, where)
+        max_pixels = int(self.options["max_image_pixels"])
+        header = pp.image_header(item, index, max_image_pixels=max_pixels,
+                                 max_decoded_bytes=int(self.options["max_image_decoded_bytes"]))
+        # Decoding and the conversion to RGB are where one small file becomes a lot of memory: each
+        # takes its estimated peak from the budget shared by every preparing thread first.
+        with self.decode_budget.hold(peak_bytes(*header), where):
+            image = pp.to_rgb(pp.decode_image(item, index, max_image_pixels=max_pixels))
+            if self.native:
+                rows, grid = pp.qwen2_vl_pixels(image, self.processor, lo, hi, where)
+                del image
+                t, h, w = grid
+                return PreparedItem(inputs={"pixel_values": torch.from_numpy(rows)}, cost=t * h * w,
+                                    cache_key=key, meta={"grid_thw": grid})
+            pixels = pp.fixed_pixels(image, self.processor, where)
+            del image
         return PreparedItem(inputs={"pixel_values": torch.from_numpy(pixels)}, cost=self.tower.num_patches,
                             cache_key=key, meta={})
 

@@ -36,6 +36,7 @@ from PIL import Image, ImageOps
 from modalmesh import pb
 from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.rpc.codec import from_proto
+from services.vision_encoder.decode_memory import DEFAULT_MAX_DECODED_BYTES, MiB, decoded_bytes
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
@@ -142,6 +143,43 @@ def _first(*values):
 
 
 # ---- decoding -------------------------------------------------------------------------------
+
+
+def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                 formats: tuple[str, ...] = FORMATS) -> tuple[int, int, str]:
+    """(width, height, PIL mode) of the item's image from its header alone, checked against the limits:
+    pixels, aspect ratio and decoded bytes. Nothing is decoded."""
+    where = f"items[{index}]"
+    source = item.WhichOneof("source")
+    if source == "pixels":
+        shape = tuple(item.pixels.shape)
+        if len(shape) not in (2, 3) or (len(shape) == 3 and shape[2] != 3):
+            raise InvalidArgument(f"{where}.pixels: shape {list(shape)} is not (H, W, 3) RGB or (H, W) greyscale")
+        header = int(shape[1]), int(shape[0]), "RGB" if len(shape) == 3 else "L"
+    elif source == "data":
+        if not item.data:
+            raise InvalidArgument(f"{where}: empty image data")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(item.data), formats=list(formats)) as image:
+                    header = *image.size, image.mode
+        except Image.DecompressionBombError as e:
+            raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
+        except Image.UnidentifiedImageError:
+            raise InvalidArgument(f"{where}: data is not a decodable {'/'.join(formats)} image "
+                                  f"({len(item.data)} bytes starting {item.data[:8]!r})") from None
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise InvalidArgument(f"{where}: corrupt or truncated image data ({type(e).__name__}: {e})") from None
+    else:
+        return decode_image(item, index, max_image_pixels=max_image_pixels, formats=formats)  # raises
+    _check_size(header[0], header[1], where, max_image_pixels)
+    size = decoded_bytes(*header)
+    if size > max_decoded_bytes:
+        raise InvalidArgument(f"{where}: a {header[0]}x{header[1]} {header[2]} image decodes to {size / MiB:.0f} MiB; "
+                              f"the server's limit is {max_decoded_bytes / MiB:.0f} MiB (--max-image-decoded-mb)")
+    return header
 
 
 def decode_image(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

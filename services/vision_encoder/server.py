@@ -15,6 +15,7 @@ from modalmesh import pb
 from services.encoder.service import EncoderService
 from services.vision_encoder.model import VisionEncoderModel, build_encoder_model
 from services.vision_encoder.models.siglip import OUTPUTS
+from services.vision_encoder.decode_memory import DEFAULT_DECODE_MEMORY, DEFAULT_MAX_DECODED_BYTES, MiB
 from services.vision_encoder.preprocess import DEFAULT_MAX_IMAGE_PIXELS
 
 
@@ -28,6 +29,10 @@ class VisionEncoderService(EncoderService):
         super().add_arguments(parser)
         parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                             help="largest decoded image accepted (width*height, checked before decoding)")
+        parser.add_argument("--max-image-decoded-mb", type=float, default=DEFAULT_MAX_DECODED_BYTES / MiB,
+                            help="largest decoded image accepted, in MiB (RGBA and 16-bit images take more per pixel)")
+        parser.add_argument("--decode-memory-mb", type=float, default=DEFAULT_DECODE_MEMORY / MiB,
+                            help="memory that concurrent image decodes may take together (a decode waits its turn)")
         parser.add_argument("--max-request-pixels", type=int, default=0,
                             help="largest per-item max_pixels budget a request may ask for "
                                  "(0: the checkpoint's max_pixels)")
@@ -41,6 +46,8 @@ class VisionEncoderService(EncoderService):
         model = build_encoder_model(
             self.model_dir, device=self.device, dtype=self.dtype, dummy=self.args.dummy_weights,
             options={"max_image_pixels": self.args.max_image_pixels,
+                     "max_image_decoded_bytes": int(self.args.max_image_decoded_mb * MiB),
+                     "decode_memory_bytes": int(self.args.decode_memory_mb * MiB),
                      "max_request_pixels": self.args.max_request_pixels,
                      "siglip_output": self.args.siglip_output},
             metrics=self.metrics,
