@@ -471,3 +471,79 @@ def test_a_decode_waits_for_its_share_of_the_budget():
             with busy.hold(70, "b"):
                 pass
     assert busy.held == 0
+
+
+# ---- the VAE ------------------------------------------------------------------------------------------
+def test_a_decode_nobody_waits_for_stops_between_blocks(ckpts):
+    from services.vae.engine import DecodeAbandoned, TilingRequest, VAEEngine
+    from services.vae.models.autoencoder_kl import ResnetBlock
+
+    engine = VAEEngine.load(tiny.ensure("vae", ckpts), device=torch.device("cpu"), dtype=torch.float32, tile=8,
+                            overlap=2, tile_batch=1)
+    calls = []
+    hook = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in engine.model.modules()
+            if isinstance(m, ResnetBlock)]
+    z = torch.randn(1, engine.cfg.latent_channels, 32, 32)
+    engine.decode(z, TilingRequest(mode=1))  # ON: every tile, to count the blocks of the whole decode
+    whole = len(calls)
+    calls.clear()
+    with pytest.raises(DecodeAbandoned):
+        engine.decode(z, TilingRequest(mode=1), should_stop=lambda: len(calls) >= 5)
+    for h in hook:
+        h.remove()
+    assert len(calls) == 5 < whole  # it stopped at the next block, not at the end
+
+
+def test_an_abandoned_decode_frees_the_worker_and_untiled_decodes_are_guarded(ckpts):
+    # An abandoned 512x512-latent decode held the worker: the next small decode waited 134 s.
+    import asyncio
+
+    from modalmesh.metrics import Metrics
+    from modalmesh.rpc.server import GrpcServer, ServerConfig
+    from modalmesh.service import build_parser
+    from services.vae.server import VAEDecoderService
+
+    async def body():
+        parser = build_parser("vae", "")
+        VAEDecoderService.add_arguments(parser)
+        args = parser.parse_args(["--model", str(tiny.ensure("vae", ckpts)), "--device", "cpu",
+                                  "--max-untiled-mb", "4"])
+        service = VAEDecoderService(args, Metrics("vae", process_metrics=False))
+        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0))
+        service.register(server)
+        port = await server.start()
+        await service._startup()
+        engine = service.engine
+        real = engine._decode_or_tile
+        slow = {"first": True}
+
+        def decode_or_tile(z, req):  # the first decode runs "forever", block after block
+            if slow.pop("first", False):
+                small = torch.zeros(1, engine.cfg.latent_channels, 4, 4)
+                for _ in range(100_000):
+                    real(small, req)
+            return real(z, req)
+
+        engine._decode_or_tile = decode_or_tile
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.vae_pb2_grpc.VAEServiceStub(channel)
+                z = to_proto(torch.zeros(1, engine.cfg.latent_channels, 8, 8))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Decode(pb.DecodeRequest(latents=z, output=pb.TENSOR_UINT8), timeout=0.5)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                reply = await stub.Decode(pb.DecodeRequest(latents=z, output=pb.TENSOR_UINT8), timeout=30)
+                assert list(reply.pixels.shape)[1:3] == [8 * engine.cfg.scale_factor] * 2
+                # Untiled on request, past the memory for it (--max-untiled-mb 4): refused, not attempted.
+                big = to_proto(torch.zeros(1, engine.cfg.latent_channels, 128, 128))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Decode(pb.DecodeRequest(latents=big, output=pb.TENSOR_UINT8,
+                                                       tiling=pb.TilingOptions(mode=pb.TilingOptions.OFF)),
+                                      timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "untiled needs about" in err.value.details() and "leave tiling AUTO or ON" in err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 120))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch
 
 from modalmesh.errors import ResourceExhausted
 from services.vae.config import VAEConfig
+from services.vae.models.autoencoder_kl import ResnetBlock
 from services.vae.tiling import TileGrid, tiled_decode
 from services.vae.weights import build_decoder, load_decoder
 
@@ -122,7 +125,10 @@ class VAEEngine:
             free, _total = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             return int(0.9 * (free + cached))
-        return None
+        try:  # CPU: half of the memory available now
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        except (ValueError, OSError, AttributeError):
+            return None
 
     def fits(self, batch: int, h: int, w: int) -> bool:
         budget = self.budget_bytes()
@@ -143,8 +149,26 @@ class VAEEngine:
         return self.model(z)
 
     @torch.inference_mode()
-    def decode(self, z: torch.Tensor, req: TilingRequest = TilingRequest()) -> DecodeResult:
-        """z: (B, C, h, w) as AutoencoderKL.decode takes it (already unscaled), any device/float dtype."""
+    def decode(self, z: torch.Tensor, req: TilingRequest = TilingRequest(), *,
+               should_stop: Callable[[], bool] | None = None) -> DecodeResult:
+        """z: (B, C, h, w) as AutoencoderKL.decode takes it (already unscaled), any device/float dtype.
+
+        `should_stop` is asked before every resnet block (and so between tiles): once it says yes the
+        decode stops with DecodeAbandoned, so a request nobody waits for no longer holds the worker."""
+        if should_stop is None:
+            return self._decode_or_tile(z, req)
+        hooks = [m.register_forward_pre_hook(_stop_point(should_stop)) for m in self.model.modules()
+                 if isinstance(m, ResnetBlock)]
+        try:
+            return self._decode_or_tile(z, req)
+        except DecodeAbandoned:
+            self._release()
+            raise
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _decode_or_tile(self, z: torch.Tensor, req: TilingRequest) -> DecodeResult:
         b, _, h, w = z.shape
         tiled = self.should_tile(b, h, w, req)
         try:
@@ -187,6 +211,18 @@ class VAEEngine:
         self.decode(z, TilingRequest(mode=OFF))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class DecodeAbandoned(Exception):
+    """Every request of the decode went away (cancelled, deadline passed): it stopped between blocks."""
+
+
+def _stop_point(should_stop: Callable[[], bool]):
+    def check(module, args):
+        if should_stop():
+            raise DecodeAbandoned("every request of this decode went away")
+
+    return check
 
 
 # ---- pixels as clients receive them -------------------------------------------------------------

@@ -307,6 +307,11 @@ class VAEDecoderService(Service):
                 f"the reply ({b} x {height}x{width} {_OUTPUTS[request.output]}, ~{math.ceil(reply_bytes / MiB)} MiB) "
                 f"would exceed --max-message-mb {args.max_message_mb}; send fewer or smaller latents")
         tiling = self._tiling(request.tiling, h, w)
+        if tiling.mode == OFF and self.engine is not None and not self.engine.fits(b, h, w):
+            need, budget = self.engine.untiled_bytes(b, h, w), self.engine.budget_bytes()
+            raise InvalidArgument(f"tiling OFF: decoding {b} latent(s) of {h}x{w} untiled needs about "
+                                  f"{need / MiB:.0f} MiB, more than the {budget / MiB:.0f} MiB this server has for "
+                                  "it; leave tiling AUTO or ON")
         z = from_proto(request.latents, name="latents")
         z = z.to(torch.float32)  # FLOAT32 stays a view of the message's bytes: nothing below writes in place
         if not bool(torch.isfinite(z).all()):
@@ -336,7 +341,10 @@ class VAEDecoderService(Service):
     def _run_batch(self, jobs: list[DecodeJob]) -> list[JobResult]:
         """Worker thread: one decoder call (or one tiled decode) for jobs of one key."""
         z = jobs[0].z if len(jobs) == 1 else torch.cat([j.z for j in jobs])
-        result = self.engine.decode(z, jobs[0].tiling)
+        # A cancelled RPC cancels its job's future: once every job of the batch is gone, stop decoding.
+        result = self.engine.decode(z, jobs[0].tiling,
+                                    should_stop=lambda: all(j.future is not None and j.future.cancelled()
+                                                            for j in jobs))
         images = z.shape[0]
         height, width = result.pixels.shape[-2:]
         self.metrics.batch_size.observe(images)
