@@ -178,16 +178,17 @@ class AttentionSelector:
         raise ConfigError(f"no attention backend can serve {component} ({_describe(needs)}): {reasons}")
 
     def _try_override(self, component, requested, source, needs, supported, verdicts, notes) -> Selection | None:
+        cast = None
         if source == GLOBAL_OVERRIDE:
             # "Wherever it fits": a component the global override cannot serve as it is — another dtype
             # (FP32 keeps its precision), head dim, page size or layout — goes to its own best choice.
-            why = verdicts[requested] or self._smoke(requested, needs)
-            if why is not None:
-                notes[requested] = f"global override skipped: {why}"
+            # A kernel that fits but fails its smoke test is broken, and that stays a start-up error.
+            if verdicts[requested] is not None:
+                notes[requested] = f"global override skipped: {verdicts[requested]}"
                 return None
-            return self._selection(component, requested, source, source, needs, verdicts, notes, supported=supported)
-        cast = None
-        why = self.verdict(requested, needs, supported=supported, ignore_dtype=True)
+            why = None
+        else:
+            why = self.verdict(requested, needs, supported=supported, ignore_dtype=True)
         if why is None and verdicts[requested] is not None:  # runs here, but not in this dtype
             cast = registry.probe(requested).spec.cast_dtype
             why = None if cast is not None else verdicts[requested]
