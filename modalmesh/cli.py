@@ -10,7 +10,9 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modalmesh import pb, stack
+from modalmesh.errors import ConfigError
 from modalmesh.rpc.channel import sync_channel
+from modalmesh.rpc.security import Security, add_security_arguments
 
 _INFO_STUBS = {
     "llm": (pb.llm_pb2_grpc.LLMServiceStub, pb.LLM_SERVICE),
@@ -21,10 +23,12 @@ _INFO_STUBS = {
 
 def health(args: argparse.Namespace) -> int:
     """Exit 0 when the target reports SERVING: the compose / k8s probe."""
-    with sync_channel(args.target) as channel:
+    security = _security(args)
+    with sync_channel(args.target, security=security) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout,
+                metadata=security.call_metadata())
         except grpc.RpcError as exc:
             print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -35,14 +39,22 @@ def health(args: argparse.Namespace) -> int:
 
 def info(args: argparse.Namespace) -> int:
     stub_cls, _ = _INFO_STUBS[args.kind]
-    with sync_channel(args.target) as channel:
+    security = _security(args)
+    with sync_channel(args.target, security=security) as channel:
         try:
-            reply = stub_cls(channel).Info(pb.InfoRequest(), timeout=args.timeout)
+            reply = stub_cls(channel).Info(pb.InfoRequest(), timeout=args.timeout, metadata=security.call_metadata())
         except grpc.RpcError as exc:
             print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(json_format.MessageToJson(reply, always_print_fields_with_no_presence=True))
     return 0
+
+
+def _security(args: argparse.Namespace) -> Security:
+    try:
+        return Security.from_args(args)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _read(path: str) -> bytes:
@@ -66,9 +78,11 @@ def generate(args: argparse.Namespace) -> int:
         parts = [pb.ContentPart(item=item) for item in items] + [pb.ContentPart(text=args.prompt)]
         request = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=parts)]),
                                      sampling=sampling)
-    with sync_channel(args.target) as channel:
+    security = _security(args)
+    with sync_channel(args.target, security=security) as channel:
         try:
-            for reply in pb.llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=args.timeout):
+            for reply in pb.llm_pb2_grpc.LLMServiceStub(channel).Generate(request, timeout=args.timeout,
+                                                                           metadata=security.call_metadata()):
                 print(reply.text, end="", flush=True)
                 if reply.finish_reason:
                     print(f"\n[{pb.FinishReason.Name(reply.finish_reason).lower()}: "
@@ -104,9 +118,11 @@ def decode(args: argparse.Namespace) -> int:
     if latents.dim() == 3:
         latents = latents.unsqueeze(0)
     request = pb.DecodeRequest(latents=to_proto(latents), output=pb.PNG, skip_scaling=args.skip_scaling)
-    with sync_channel(args.target) as channel:
+    security = _security(args)
+    with sync_channel(args.target, security=security) as channel:
         try:
-            reply = pb.vae_pb2_grpc.VAEServiceStub(channel).Decode(request, timeout=args.timeout)
+            reply = pb.vae_pb2_grpc.VAEServiceStub(channel).Decode(request, timeout=args.timeout,
+                                                                   metadata=security.call_metadata())
         except grpc.RpcError as exc:
             print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -127,14 +143,17 @@ def main(argv=None) -> int:
     stack.add_up_arguments(p)
     p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
     p = sub.add_parser("health", help="exit 0 if a service is SERVING (gRPC health)")
+    add_security_arguments(p, server=False)
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=5.0)
     p = sub.add_parser("info", help="print a service's Info as JSON")
+    add_security_arguments(p, server=False)
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--kind", choices=sorted(_INFO_STUBS), default="llm", help="which service API the target speaks")
     p.add_argument("--timeout", type=float, default=10.0)
     p = sub.add_parser("generate", help="stream a completion from the LLM service")
+    add_security_arguments(p, server=False)
     p.add_argument("prompt")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--audio", action="append", default=[], help="audio file: WAV, FLAC, OGG (repeatable)")
@@ -146,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--raw", action="store_true", help="send the prompt as is (with placeholders), not as a chat")
     p.add_argument("--timeout", type=float, default=300.0)
     p = sub.add_parser("decode", help="decode latents to PNG through the VAE service")
+    add_security_arguments(p, server=False)
     p.add_argument("latents", help=".safetensors or .npy file with (B, C, h, w) or (C, h, w) latents")
     p.add_argument("-o", "--output", default="out.png")
     p.add_argument("--target", default="127.0.0.1:50054")

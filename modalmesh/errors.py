@@ -42,6 +42,10 @@ class DeadlineExceeded(ModalmeshError):
     status = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class Unauthenticated(ModalmeshError):
+    status = grpc.StatusCode.UNAUTHENTICATED
+
+
 class ConfigError(ModalmeshError):
     """A start-up problem (bad flag, unreadable model directory): exits the process."""
 

@@ -24,6 +24,7 @@ from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
 from modalmesh.launcher import die_with_parent
+from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
 from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
@@ -69,7 +70,8 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
     )
     parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
     parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the gRPC and metrics servers bind (0.0.0.0: every interface; containers set it)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -82,6 +84,9 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
                         help="seconds before a client connection is asked to reconnect (load balancing); 0: never")
     parser.add_argument("--max-connection-age-grace", type=float, default=None,
                         help="seconds calls in flight on an aged connection may still run (default: unlimited)")
+    add_security_arguments(parser)
+    parser.add_argument("--no-reflection", dest="reflection", action="store_false",
+                        help="do not serve gRPC server reflection (it lists every method to anyone who connects)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -139,6 +144,8 @@ class Service:
         self.model_id = args.model_id or (self.model_dir.name if self.model_dir else "")
         # Before any model is built: a bad or unrunnable override fails start-up here.
         self.attention = attention.configure(args.attention_backend, device=self.device, metrics=metrics)
+        # TLS and the shared token, for this service's server and for the services it calls.
+        self.security = Security.from_args(args)
         self.weights_fingerprint = ""
         self.ready = False
 
@@ -196,8 +203,8 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
     )
     metrics = metrics_mod.install(metrics_mod.Metrics(service_cls.name))
     try:
-        config = server_config(args)
         service = service_cls(args, metrics)
+        config = server_config(args, service.security)
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
@@ -209,7 +216,7 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
+def server_config(args: argparse.Namespace, security: Security = INSECURE) -> ServerConfig:
     """The gRPC server's settings from the common flags."""
     if args.max_connection_age < 0 or (args.max_connection_age_grace is not None and args.max_connection_age_grace < 0):
         raise ConfigError("--max-connection-age and --max-connection-age-grace must be >= 0")
@@ -221,6 +228,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         grace_seconds=args.grace_period,
         max_connection_age_ms=int(args.max_connection_age * 1000),
         max_connection_age_grace_ms=FOREVER_MS if grace is None else min(FOREVER_MS, int(grace * 1000)),
+        reflection=getattr(args, "reflection", True),
+        security=security,
     )
 
 

@@ -547,3 +547,201 @@ def test_an_abandoned_decode_frees_the_worker_and_untiled_decodes_are_guarded(ck
             await service.close()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+# ---- secure by default ----------------------------------------------------------------------------------
+def _certificates(tmp_path):
+    """A CA, a server certificate for 127.0.0.1 / localhost, and a client certificate, all PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(name, key, issuer_name, issuer_key, *, ca=False, san=None):
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                   .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    def write(name, cert, key):
+        (tmp_path / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if key is not None:
+            (tmp_path / f"{name}.key").write_bytes(key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        return str(tmp_path / f"{name}.crt"), str(tmp_path / f"{name}.key")
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "modalmesh test CA")])
+    ca = issue("modalmesh test CA", ca_key, ca_name, ca_key, ca=True)
+    server_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    server = issue("server", server_key, ca_name, ca_key,
+                   san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    client = issue("client", client_key, ca_name, ca_key)
+    return {"ca": write("ca", ca, None)[0], "server": write("server", server, server_key),
+            "client": write("client", client, client_key)}
+
+
+def test_services_bind_loopback_unless_told_and_reflection_can_be_turned_off():
+    import asyncio
+
+    from modalmesh.service import build_parser
+    from services.gateway.server import build_parser as gateway_parser
+
+    assert build_parser("llm", "").parse_args([]).host == "127.0.0.1"
+    assert gateway_parser().parse_args([]).host == "127.0.0.1"
+
+    async def body():
+        for flags, code in (([], grpc.StatusCode.OK), (["--no-reflection"], grpc.StatusCode.UNIMPLEMENTED)):
+            server, port = await _aged_server(*flags)
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    call = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(
+                        iter([b"\x3a\x00"]))  # list_services
+                    try:
+                        async for _ in call:
+                            pass
+                        got = grpc.StatusCode.OK
+                    except grpc.aio.AioRpcError as exc:
+                        got = exc.code()
+                    assert got == code, flags
+            finally:
+                await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_shared_token_and_mutual_tls_keep_other_callers_out(tmp_path):
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from modalmesh.rpc.channel import aio_channel
+    from modalmesh.rpc.security import Security
+
+    certs = _certificates(tmp_path)
+    (tmp_path / "token").write_text("s3cret-token\n")
+    server_flags = ["--auth-token-file", str(tmp_path / "token"), "--tls-cert", certs["server"][0],
+                    "--tls-key", certs["server"][1], "--tls-client-ca", certs["ca"]]
+    good = Security.from_files(token_file=str(tmp_path / "token"), cert=certs["client"][0], key=certs["client"][1],
+                               ca=certs["ca"])
+
+    async def call(security, timeout=5):
+        async with aio_channel(f"127.0.0.1:{port}", security=security) as channel:
+            try:
+                await pb.encoder_pb2_grpc.EncoderServiceStub(channel).Encode(pb.EncodeRequest(), timeout=timeout)
+                return grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+    async def body():
+        nonlocal port
+        from modalmesh.rpc.server import GrpcServer
+        from modalmesh.service import build_parser, server_config
+
+        args = build_parser("slow", "").parse_args(["--port", "0", *server_flags])
+        server = GrpcServer(server_config(args, Security.from_args(args)))
+        server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server, _Slow())
+        port = await server.start()
+        await server.set_serving(True)
+        try:
+            assert await call(good) == grpc.StatusCode.OK
+            wrong = Security(token="guess", cert=good.cert, key=good.key, ca=good.ca)
+            assert await call(wrong) == grpc.StatusCode.UNAUTHENTICATED
+            assert await call(Security(cert=good.cert, key=good.key, ca=good.ca)) == grpc.StatusCode.UNAUTHENTICATED
+            # No client certificate, or no TLS at all: the handshake fails before any method runs.
+            assert await call(Security(token=good.token, ca=good.ca), timeout=3) == grpc.StatusCode.UNAVAILABLE
+            assert await call(Security(token=good.token), timeout=3) == grpc.StatusCode.UNAVAILABLE
+            # Health stays open to probes that carry no token (they still need the TLS handshake).
+            async with aio_channel(f"127.0.0.1:{port}", security=Security(cert=good.cert, key=good.key,
+                                                                          ca=good.ca)) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(0)
+
+    port = 0
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_the_token_travels_from_the_gateway_to_the_llm_and_from_the_llm_to_its_encoder(ckpts, tmp_path):
+    from modalmesh.launcher import ServiceProcess
+    from services.gateway.launch import GatewayProcess
+    from tests.test_gateway import COMMON, GATEWAY, png, post
+
+    token = tmp_path / "token"
+    token.write_text("shared")
+    auth = ["--auth-token-file", str(token)]
+    model_dir = tiny.ensure("qwen2_vl", ckpts)
+    vision = ServiceProcess("vision_encoder", [*COMMON, "--model", str(model_dir), *auth]).start()
+    procs = [vision]
+    try:
+        vision.wait_serving(timeout=120)
+        llm_proc = ServiceProcess("llm", [*COMMON, "--model", str(model_dir), "--kv-cache-tokens", "2048",
+                                          "--vision-encoder", f"ipv4:{vision.target}", *auth]).start()
+        procs.append(llm_proc)
+        llm_proc.wait_serving(timeout=120)
+        gw = GatewayProcess([*GATEWAY, "--llm", llm_proc.target, *auth]).start()
+        procs.append(gw)
+        gw.wait_serving(timeout=120)
+        import base64
+
+        image = "data:image/png;base64," + base64.b64encode(png(56, 56, 3)).decode()
+        status, _, answer = post(gw, "/v1/chat/completions", {"max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": image}}]}]})
+        assert status == 200, answer
+        with grpc.insecure_channel(vision.target) as channel:  # the encoder itself refuses a caller without it
+            with pytest.raises(grpc.RpcError) as err:
+                pb.encoder_pb2_grpc.EncoderServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        import subprocess
+        import sys
+
+        cli = [sys.executable, "-m", "modalmesh.cli", "info", "--target", llm_proc.target]
+        assert subprocess.run([*cli, *auth], capture_output=True, timeout=60).returncode == 0
+        refused = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    finally:
+        for p in reversed(procs):
+            p.send_sigterm()
+        for p in reversed(procs):
+            assert p.terminate(timeout=60) == 0
+
+
+def test_the_gateway_serves_https(llm, tmp_path):
+    import http.client
+    import ssl
+
+    from services.gateway.launch import GatewayProcess
+    from tests.test_gateway import GATEWAY
+
+    certs = _certificates(tmp_path)
+    gw = GatewayProcess([*GATEWAY, "--llm", llm.proc.target, "--ssl-certfile", certs["server"][0],
+                         "--ssl-keyfile", certs["server"][1]]).start()
+    try:
+        gw.wait_listening(60)
+        context = ssl.create_default_context(cafile=certs["ca"])
+        deadline = time.monotonic() + 60
+        while True:  # until the LLM's Info has reached it (bounded)
+            conn = http.client.HTTPSConnection("127.0.0.1", gw.http_port, timeout=10, context=context)
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            body = response.read()
+            conn.close()
+            if response.status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert response.status == 200 and b"qwen2" in body
+        with pytest.raises(ssl.SSLError):  # a client that does not trust our CA
+            conn = http.client.HTTPSConnection("127.0.0.1", gw.http_port, timeout=10,
+                                               context=ssl.create_default_context())
+            conn.request("GET", "/v1/models")
+    finally:
+        assert gw.terminate(timeout=30) == 0

@@ -70,9 +70,23 @@ def channel_options(max_message_bytes: int, retry_methods=IDEMPOTENT_METHODS) ->
     ]
 
 
-def aio_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(normalize_target(target), options=channel_options(max_message_bytes, retry_methods))
+def aio_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS,
+                security=None) -> grpc.aio.Channel:
+    """`security` (modalmesh.rpc.security.Security): TLS when it has a CA, its token sent on every call."""
+    options = channel_options(max_message_bytes, retry_methods)
+    credentials = security.channel_credentials() if security is not None else None
+    interceptors = (security.client_interceptors() if security is not None else []) or None
+    if credentials is not None:
+        return grpc.aio.secure_channel(normalize_target(target), credentials, options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(normalize_target(target), options=options, interceptors=interceptors)
 
 
-def sync_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS) -> grpc.Channel:
-    return grpc.insecure_channel(normalize_target(target), options=channel_options(max_message_bytes, retry_methods))
+def sync_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS,
+                 security=None) -> grpc.Channel:
+    """Blocking channel (the CLI): TLS when `security` has a CA; its callers send `security.call_metadata()`."""
+    options = channel_options(max_message_bytes, retry_methods)
+    credentials = security.channel_credentials() if security is not None else None
+    if credentials is not None:
+        return grpc.secure_channel(normalize_target(target), credentials, options=options)
+    return grpc.insecure_channel(normalize_target(target), options=options)

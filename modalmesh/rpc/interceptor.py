@@ -13,8 +13,9 @@ import time
 
 import grpc
 
-from modalmesh.errors import InvalidArgument, ModalmeshError, one_line
+from modalmesh.errors import InvalidArgument, ModalmeshError, Unauthenticated, one_line
 from modalmesh.metrics import Metrics
+from modalmesh.rpc.security import INSECURE, Security
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ def _check_decoded(request, rpc: str) -> None:
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, metrics: Metrics | None = None):
+    def __init__(self, metrics: Metrics | None = None, security: Security = INSECURE):
         self._metrics = metrics
+        self._security = security
         self.active = 0  # the services' own calls in flight (health and reflection not counted)
         self._idle: asyncio.Event | None = None
 
@@ -104,6 +106,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             outcome = _Outcome()
             start = self._begin(rpc)
             try:
+                self._check_caller(context)
                 _check_decoded(request, rpc)
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
@@ -122,6 +125,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             outcome = _Outcome()
             start = self._begin(rpc)
             try:
+                self._check_caller(context)
                 _check_decoded(request, rpc)
                 result = behavior(request, context)
                 if inspect.isasyncgen(result):
@@ -140,6 +144,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
                 self._end(rpc, start, outcome, context)
 
         return wrapped
+
+    def _check_caller(self, context) -> None:
+        if not self._security.authorized(context.invocation_metadata()):
+            raise Unauthenticated("missing or wrong authorization token (authorization: Bearer <token>)")
 
     async def _handle(self, exc: BaseException, context, rpc: str, outcome: _Outcome) -> None:
         """Record the outcome; convert project and unexpected errors into an abort."""

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.interceptor import StatusInterceptor
+from modalmesh.rpc.security import INSECURE, Security
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ FOREVER_MS = 2**31 - 1  # grpc's "infinite" for its millisecond options
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # only this machine unless told otherwise (--host 0.0.0.0 in containers)
     port: int = 50051
     max_message_bytes: int = 64 * MiB
     grace_seconds: float = 30.0
@@ -42,6 +43,8 @@ class ServerConfig:
     max_connection_age_grace_ms: int = FOREVER_MS
     keepalive_time_ms: int = 30_000
     keepalive_timeout_ms: int = 10_000
+    reflection: bool = True
+    security: Security = INSECURE  # TLS and the shared token
 
     def options(self) -> list[tuple[str, int]]:
         ageing = [("grpc.max_connection_age_ms", self.max_connection_age_ms),
@@ -63,7 +66,7 @@ class GrpcServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
         self.config = config
         self.metrics = metrics
-        self.interceptor = StatusInterceptor(metrics)
+        self.interceptor = StatusInterceptor(metrics, config.security)
         self._server = grpc.aio.server(interceptors=[self.interceptor], options=config.options())
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -82,11 +85,14 @@ class GrpcServer:
 
     async def start(self) -> int:
         self.draining = asyncio.Event()
-        reflection.enable_server_reflection(
-            [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
-        )
+        if self.config.reflection:
+            reflection.enable_server_reflection(
+                [*self._services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+            )
         address = f"{self.config.host}:{self.config.port}"
-        self.port = self._server.add_insecure_port(address)
+        credentials = self.config.security.server_credentials()
+        self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
+                     else self._server.add_insecure_port(address))
         if not self.port:
             raise OSError(f"cannot bind gRPC server to {address}")
         await self.set_serving(False)

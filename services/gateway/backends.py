@@ -28,10 +28,10 @@ UNREACHABLE = "UNREACHABLE"
 
 class Backend:
     def __init__(self, name: str, target: str, stub_cls, *, max_message_bytes: int,
-                 on_change: Callable[[], None] | None = None, info_timeout: float = 10.0):
+                 on_change: Callable[[], None] | None = None, info_timeout: float = 10.0, security=None):
         self.name = name
         self.target = target
-        self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
+        self.channel = aio_channel(target, max_message_bytes=max_message_bytes, security=security)
         self.stub = stub_cls(self.channel)
         self.status = "UNKNOWN"
         self.detail = "not checked yet"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import re
@@ -38,7 +39,9 @@ from aiohttp import web
 import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
+from modalmesh.errors import ConfigError
 from modalmesh.launcher import die_with_parent
+from modalmesh.rpc.security import Security, add_security_arguments
 from modalmesh.service import ENV_PREFIX, _EnvDefaults
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
@@ -65,12 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--llm", default=None, metavar="TARGET", help="LLM service, e.g. dns:///llm:50051")
     parser.add_argument("--vae", default=None, metavar="TARGET", help="VAE service (for /v1/images/decode)")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients use (default: the LLM's model id from its Info)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="... and this private key")
+    add_security_arguments(parser, server=False)  # how the gateway calls the LLM and the VAE
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="allow file:// image URLs for files under DIR (off by default)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
@@ -140,10 +146,11 @@ class Gateway:
         self.limits = protocol.Limits(max_image_bytes=int(args.max_image_mb * MiB),
                                       max_audio_bytes=int(args.max_audio_mb * MiB), local_media_root=root)
         max_message = args.max_message_mb * MiB
+        security = Security.from_args(args)
         self.llm = Backend("llm", args.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
-                           on_change=self._health_changed) if args.llm else None
+                           on_change=self._health_changed, security=security) if args.llm else None
         self.vae = Backend("vae", args.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
-                           on_change=self._health_changed) if args.vae else None
+                           on_change=self._health_changed, security=security) if args.vae else None
         self.app = web.Application(client_max_size=int(args.max_request_mb * MiB),
                                    middlewares=[self._middleware])
         r = self.app.router
@@ -196,7 +203,8 @@ class Gateway:
         status = 500
         try:
             if self.args.api_key and request.path.startswith("/v1/"):
-                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
                     raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                    code="invalid_api_key")
             response = await handler(request)
@@ -481,8 +489,14 @@ async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
     gateway = Gateway(args, metrics)
     runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period)
     await runner.setup()
+    ssl_context = None
+    if args.ssl_certfile or args.ssl_keyfile:
+        import ssl
+
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        await web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context).start()
     except OSError as exc:
         log.error("cannot bind HTTP to %s:%d: %s", args.host, args.port, exc)
         await runner.cleanup()
@@ -523,6 +537,14 @@ def main(argv=None) -> int:
         if getattr(args, flag) <= 0:
             print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        print("error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
+    try:
+        Security.from_args(args)  # readable files, consistent flags: checked before serving
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     metrics = metrics_mod.install(metrics_mod.Metrics("gateway"))
     code = asyncio.run(serve(args, metrics))
     for sig in (signal.SIGTERM, signal.SIGINT):  # a late second signal must not turn exit 0 into -15

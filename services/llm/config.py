@@ -20,6 +20,7 @@ import torch
 
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
+from modalmesh.rpc.security import INSECURE, Security
 from services.llm.sampling import RequestLimits
 
 CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
@@ -35,6 +36,7 @@ class EncoderTargets:
     allow_foreign: bool = False
     shared_memory: bool = True  # take embeddings through /dev/shm from encoders on this host
     max_message_bytes: int = 256 << 20  # largest Encode answer taken
+    security: Security = INSECURE  # TLS to the encoders and the shared token
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class LLMConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_dir: Path, *, device: torch.device,
-                  dtype: torch.dtype) -> LLMConfig:
+                  dtype: torch.dtype, security: Security = INSECURE) -> LLMConfig:
         """The service's flags (MODALMESH_* already folded in by the parser), checked against the checkpoint."""
         tp = args.tensor_parallel_size
         if device.type == "cuda" and tp > torch.cuda.device_count():
@@ -113,7 +115,7 @@ class LLMConfig:
             encoders=EncoderTargets(vision=args.vision_encoder, audio=args.audio_encoder,
                                     timeout_s=args.encoder_timeout, allow_foreign=args.allow_foreign_encoders,
                                     shared_memory=args.encoder_shared_memory == "auto",
-                                    max_message_bytes=args.max_message_mb << 20),
+                                    max_message_bytes=args.max_message_mb << 20, security=security),
             limits=RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                  max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
             log_level=args.log_level,

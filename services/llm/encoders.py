@@ -31,6 +31,7 @@ from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
 from modalmesh.rpc import wire
 from modalmesh.rpc.codec import dtype_name, from_payload, payload_nbytes
+from modalmesh.rpc.security import Security
 from modalmesh.rpc.shm import SharedMemoryGone, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,11 @@ class EncoderPool:
 
     def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB,
                  probe: ShmProbe | None = None, reader: ShmReader | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, security: Security | None = None):
         self.modality = modality
         self.device = device  # where embeddings read from shared memory go (the LLM's device)
         self.target = target
-        self.channel = aio_channel(target, max_message_bytes=max_message_bytes)
+        self.channel = aio_channel(target, max_message_bytes=max_message_bytes, security=security)
         # Encode's answer is parsed without its embeddings' bytes, which stay views into the
         # received buffer (modalmesh.rpc.wire): protobuf would copy them twice.
         self._encode = self.channel.unary_unary(

@@ -48,7 +48,8 @@ class LLMService(Service):
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
         # The one place the LLM reads its flags: everything below takes this value.
-        self.config = (LLMConfig.from_args(args, self.model_dir, device=self.device, dtype=self.dtype)
+        self.config = (LLMConfig.from_args(args, self.model_dir, device=self.device, dtype=self.dtype,
+                                           security=self.security)
                        if self.model_dir is not None else None)
         self.engine: LLMEngine | None = None
         self.runner: ModelRunner | None = None
@@ -104,7 +105,7 @@ class LLMService(Service):
         probe = ShmProbe() if targets and enc.shared_memory and shm_available() else None
         reader = ShmReader() if probe is not None else None
         pools = {modality: EncoderPool(modality, target, max_message_bytes=enc.max_message_bytes, probe=probe,
-                                       reader=reader, device=self.device)
+                                       reader=reader, device=self.device, security=enc.security)
                  for modality, target in targets}
         self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
                                     check_fingerprint=not enc.allow_foreign, default_timeout=enc.timeout_s,
