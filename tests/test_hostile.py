@@ -745,3 +745,38 @@ def test_the_gateway_serves_https(llm, tmp_path):
             conn.request("GET", "/v1/models")
     finally:
         assert gw.terminate(timeout=30) == 0
+
+
+def test_request_bodies_in_flight_share_one_budget(llm):
+    # Eight 53 MB bodies at once took the gateway to 2.4 GB: past the budget a body is refused, not read.
+    import socket
+
+    from services.gateway.launch import GatewayProcess
+    from tests.test_gateway import GATEWAY, post
+
+    gw = GatewayProcess([*GATEWAY, "--llm", llm.proc.target, "--max-request-mb", "1",
+                         "--max-inflight-body-mb", "1.5"]).start()
+    try:
+        gw.wait_serving(timeout=120)
+        # One client declares a 1 MB body and sends it slowly: its share is held while it is read.
+        slow = socket.create_connection(("127.0.0.1", gw.http_port), timeout=30)
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000\r\n\r\n{")
+        deadline = time.monotonic() + 30
+        while True:
+            status, headers, body = post(gw, "/v1/completions", {"prompt": "x" * 700_000, "max_tokens": 1})
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert status == 503 and body["error"]["code"] == "server_busy" and headers.get("Retry-After") == "1"
+        assert "--max-inflight-body-mb" in body["error"]["message"]
+        slow.close()
+        deadline = time.monotonic() + 30
+        while True:  # the share comes back when that request ends
+            status, _, body = post(gw, "/v1/completions", {"prompt": "hello", "max_tokens": 1})
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert status == 200, body
+    finally:
+        assert gw.terminate(timeout=30) == 0

@@ -53,8 +53,9 @@ class APIError(Exception):
     """An error answered to the HTTP client in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict | None = None):
         super().__init__(message)
+        self.headers = headers  # e.g. Retry-After
         self.status = status
         self.message = one_line(message)
         self.param = param

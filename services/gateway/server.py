@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="allow file:// image URLs for files under DIR (off by default)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
+    parser.add_argument("--max-inflight-body-mb", type=float, default=256.0,
+                        help="request bodies being read and parsed at once, together; past it: 503 and Retry-After")
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest image (decoded bytes)")
     parser.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio clip (decoded bytes)")
     parser.add_argument("--max-message-mb", type=int, default=256, help="largest gRPC message sent/received")
@@ -142,6 +145,7 @@ class Gateway:
         self.metrics = metrics
         self.started = int(time.time())
         self.draining = False
+        self._bodies = 0  # bytes reserved by request bodies in flight (_body_budget)
         root = Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None
         self.limits = protocol.Limits(max_image_bytes=int(args.max_image_mb * MiB),
                                       max_audio_bytes=int(args.max_audio_mb * MiB), local_media_root=root)
@@ -191,6 +195,25 @@ class Gateway:
             return self.args.served_model_name
         return self.llm.info.model_id if self.llm is not None and self.llm.info is not None else None
 
+    @contextlib.contextmanager
+    def _body_budget(self, request: web.Request):
+        """Reserve the request body's bytes (its declared length, or the largest allowed) from one budget for
+        every request in flight: eight 53 MB bodies at once took the gateway to 2.4 GB."""
+        if request.method not in ("POST", "PUT", "PATCH"):
+            yield
+            return
+        limit = int(self.args.max_request_mb * MiB)
+        size = min(request.content_length, limit) if request.content_length is not None else limit
+        if self._bodies + size > int(self.args.max_inflight_body_mb * MiB) and self._bodies:
+            raise APIError(503, f"the gateway is reading {self._bodies / MiB:.0f} MB of other request bodies "
+                                f"(--max-inflight-body-mb {self.args.max_inflight_body_mb:g}); retry shortly",
+                           code="server_busy", headers={"Retry-After": "1"})
+        self._bodies += size
+        try:
+            yield
+        finally:
+            self._bodies -= size
+
     # -- middleware: errors in OpenAI's shape, auth, metrics ----------------------------------------
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -207,12 +230,13 @@ class Gateway:
                 if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
                     raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                    code="invalid_api_key")
-            response = await handler(request)
+            with self._body_budget(request):
+                response = await handler(request)
             status = request.get("status_override", response.status)
             return response
         except APIError as err:
             status = err.status
-            return error_response(err)
+            return error_response(err, headers=err.headers)
         except web.HTTPException as exc:  # unknown route, wrong method, body over --max-request-mb
             status = exc.status
             message = {404: f"no route {request.method} {request.path}",
