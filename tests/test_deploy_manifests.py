@@ -149,7 +149,8 @@ def test_deployments_probe_grpc_health_and_are_scraped():
         svc = services[name]["spec"]
         assert svc["selector"] == pod["metadata"]["labels"]
         assert {p["name"]: p["port"] for p in svc["ports"]} == ports
-        assert (svc.get("clusterIP") == "None") == name.endswith("-encoder")
+        # Headless for every gRPC service: round_robin clients see each pod (a ClusterIP pinned one).
+        assert svc.get("clusterIP") == "None"
 
 
 def test_llm_fans_out_to_the_headless_encoder_services():
@@ -296,3 +297,36 @@ def test_image_installs_only_pinned_versions():
     pyproject = (ROOT / "pyproject.toml").read_text()
     for pin in re.findall(r'"((?:transformers|diffusers|tokenizers|grpcio-tools)==[\d.]+)"', pyproject):
         assert pin in reqs, pin
+
+
+def test_network_policies_let_each_service_be_called_only_by_its_caller():
+    policies = _by_kind(_base_resources(), "NetworkPolicy")
+    callers = {}
+    for policy in policies.values():
+        spec = policy["spec"]
+        (selected,) = spec["podSelector"]["matchExpressions"]
+        grpc_rules = [r for r in spec["ingress"] if any(p["port"] == "grpc" for p in r.get("ports", []))]
+        (rule,) = grpc_rules
+        (source,) = rule["from"]
+        for component in selected["values"]:
+            callers[component] = source["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        # Every other rule opens the metrics port only (the scraper), never gRPC.
+        assert all(r.get("ports") == [{"port": "metrics"}] and "from" not in r
+                   for r in spec["ingress"] if r is not rule)
+    assert callers == {"vision-encoder": "llm", "audio-encoder": "llm", "llm": "gateway", "vae": "gateway"}
+
+
+def test_the_models_job_never_removes_a_directory_it_did_not_make():
+    job = _by_kind(_base_resources(), "Job")["modalmesh-models"]
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    removed = re.findall(r"rm -rf (\S+)", script)
+    assert removed == ['"$scratch"'], removed  # only its own scratch directory
+    assert 'if [ ! -e "/models/$name" ]' in script
+
+
+def test_the_compose_models_job_writes_only_its_named_volume():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose["services"]["models"]["volumes"] == ["models:/models"]
+    for name in ("llm", "vae", "vision_encoder", "audio_encoder"):
+        mounts = compose["services"][name].get("volumes") or compose["x-service"]["volumes"]
+        assert all(m.endswith(":ro") for m in mounts if ":/models" in m)
