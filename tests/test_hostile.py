@@ -780,3 +780,45 @@ def test_request_bodies_in_flight_share_one_budget(llm):
         assert status == 200, body
     finally:
         assert gw.terminate(timeout=30) == 0
+
+
+def test_a_request_whose_images_cannot_fit_is_refused_before_any_encode(ckpts):
+    # 300 images were encoded, then the request was refused for its length.
+    from modalmesh.image_grid import ImageGrid
+    from modalmesh.launcher import ServiceProcess
+    from tests.test_gateway import COMMON, png
+    from tests.test_hostile import _requests_total as requests_total
+
+    model_dir = tiny.ensure("qwen2_vl", ckpts)
+    vision = ServiceProcess("vision_encoder", [*COMMON, "--model", str(model_dir)]).start()
+    procs = [vision]
+    try:
+        vision.wait_serving(timeout=120)
+        server = LLM(model_dir, "--vision-encoder", f"ipv4:{vision.target}")
+        procs.append(server.proc)
+        # The LLM's count from the header equals the encoder's rows, odd sizes and per-item budgets included.
+        import json
+
+        grid = ImageGrid.from_preprocessor(json.loads((model_dir / "preprocessor_config.json").read_text()),
+                                           patch_size=14, merge_size=2)
+        with grpc.insecure_channel(vision.target) as channel:
+            stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+            for (h, w), budget in (((56, 84), 0), ((300, 200), 0), ((448, 448), 0), ((1000, 40), 0),
+                                   ((448, 448), 28 * 28 * 8)):
+                reply = stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=png(h, w, 1), max_pixels=budget)]),
+                                    timeout=60)
+                assert reply.embeddings[0].num_placeholder_tokens == grid.rows(w, h, max_pixels=budget), (h, w)
+        vision_metrics = type("P", (), {"proc": vision})  # _requests_total reads .proc.metrics_port
+        before = requests_total(vision_metrics, "Encode", "OK")
+        items = [pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=png(448, 448, i))) for i in range(9)]
+        text = "<|vision_start|><|image_pad|><|vision_end|>" * 9  # 9 x 64 rows > 512
+        details = _refused(server, text=text, items=items, sampling=greedy(2))
+        assert "at least 594 tokens with its items' rows (counted before encoding)" in details  # 576 + 18
+        assert requests_total(vision_metrics, "Encode", "OK") == before  # not one image was encoded
+        ids, _, _ = server.generate(text=text[:45], items=items[:1], sampling=greedy(2))  # one fits
+        assert len(ids) == 2
+        server.close()
+        procs.remove(server.proc)
+    finally:
+        for p in procs:
+            p.terminate(timeout=60)

@@ -9,6 +9,7 @@ item's rows (vLLM style), a run already as long as the rows is taken as is
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import InvalidArgument
+from modalmesh.image_grid import ImageGrid
 from modalmesh.rpc.codec import dtype_name, from_proto
 from services.llm.mrope import mrope_positions
 
@@ -128,17 +130,10 @@ def check_modalities(items: list[pb.MultimodalItem], cfg: ModelConfig) -> None:
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
 
 
-def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
-                 *, uses_mrope: bool, spatial_merge: int = 2,
-                 decoded: dict[int, torch.Tensor] | None = None) -> PreparedPrompt:
-    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions.
-
-    `decoded` holds embeddings already read by the encoder fan-out (shared memory), by item index.
-    """
-    decoded = decoded or {}
-    placeholders = placeholder_ids(cfg)
-    check_modalities(items, cfg)
-    runs: list[tuple[int, int, int]] = []  # (modality, start, length) in prompt order
+def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem],
+                      placeholders: dict[int, int]) -> dict[int, list[tuple[int, int, int]]]:
+    """Runs of placeholder tokens, (modality, start, length) in prompt order, by modality; one per item."""
+    runs: list[tuple[int, int, int]] = []
     token_to_modality = {tok: mod for mod, tok in placeholders.items()}
     j = 0
     while j < len(ids):
@@ -157,6 +152,62 @@ def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfi
         if len(by_modality[m]) != item_counts[m]:
             raise InvalidArgument(f"prompt has {len(by_modality[m])} {pb.Modality.Name(m).lower()} placeholder(s) "
                                   f"but the request has {item_counts[m]} {pb.Modality.Name(m).lower()} item(s)")
+    return by_modality
+
+
+def prompt_length_before_encoding(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig, *,
+                                  image_grid: ImageGrid | None = None) -> int:
+    """The prompt's length once every item's rows are spliced in, known before any item is encoded:
+    embeddings by their rows, raw images by their size (read from the header; Qwen2-VL's grid), expanded
+    placeholder runs by their length, anything else at least one row. A request that cannot fit is then
+    refused before a single Encode (300 images were once encoded, then refused)."""
+    placeholders = placeholder_ids(cfg)
+    check_modalities(items, cfg)
+    by_modality = _placeholder_runs(ids, items, placeholders)
+    next_run = {m: iter(by_modality[m]) for m in placeholders}
+    total = len(ids)
+    for item in items:
+        _, _, length = next(next_run[item.modality])
+        total += _rows_before_encoding(item, length, image_grid) - length
+    return total
+
+
+def _rows_before_encoding(item: pb.MultimodalItem, length: int, grid: ImageGrid | None) -> int:
+    if length > 1:  # already expanded: the encoder's answer must match it
+        return length
+    source = item.WhichOneof("source")
+    if source == "embedding":
+        shape = item.embedding.embedding.shape
+        return max(1, int(shape[0])) if len(shape) == 2 else 1
+    if source != "input" or item.modality != pb.IMAGE or grid is None:
+        return 1
+    raw = item.input
+    try:
+        if raw.WhichOneof("source") == "pixels" and len(raw.pixels.shape) in (2, 3):
+            height, width = int(raw.pixels.shape[0]), int(raw.pixels.shape[1])
+        elif raw.WhichOneof("source") == "data":
+            from PIL import Image
+
+            with Image.open(io.BytesIO(raw.data)) as image:  # the header only: nothing is decoded
+                width, height = image.size
+        else:
+            return 1
+        return grid.rows(width, height, min_pixels=max(0, raw.min_pixels), max_pixels=max(0, raw.max_pixels))
+    except Exception:  # noqa: BLE001 - unreadable here: the encoder says precisely what is wrong with it
+        return 1
+
+
+def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
+                 *, uses_mrope: bool, spatial_merge: int = 2,
+                 decoded: dict[int, torch.Tensor] | None = None) -> PreparedPrompt:
+    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions.
+
+    `decoded` holds embeddings already read by the encoder fan-out (shared memory), by item index.
+    """
+    decoded = decoded or {}
+    placeholders = placeholder_ids(cfg)
+    check_modalities(items, cfg)
+    by_modality = _placeholder_runs(ids, items, placeholders)
     # Pair the n-th item of a modality with its n-th run, then rebuild the ids with runs expanded.
     next_run = {m: iter(by_modality[m]) for m in placeholders}
     pairs = []

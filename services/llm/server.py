@@ -14,13 +14,14 @@ import uuid
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError
+from modalmesh.errors import ConfigError, FailedPrecondition, InvalidArgument, ModalmeshError
+from modalmesh.image_grid import ImageGrid
 from modalmesh.service import Service
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.config import LLMConfig
 from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
-from services.llm.inputs import check_modalities, splice_items, tokenize_prompt
+from services.llm.inputs import check_modalities, prompt_length_before_encoding, splice_items, tokenize_prompt
 from services.llm.sampling import RequestLimits, SamplingParams
 from services.llm.runner import ModelRunner
 
@@ -57,6 +58,7 @@ class LLMService(Service):
         self.model_config: ModelConfig | None = None
         self.tokenizer = None
         self.spatial_merge = 2
+        self.image_grid: ImageGrid | None = None  # counts raw images' rows before they are encoded
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -124,7 +126,9 @@ class LLMService(Service):
         self.runner = ModelRunner.launch(config, self.metrics)
         cfg = self.model_config = self.runner.model_config
         if self.runner.uses_mrope:
-            self.spatial_merge = int(ModelConfig.from_hf(config.model_dir, part="vision").get("spatial_merge_size", 2))
+            vision = ModelConfig.from_hf(config.model_dir, part="vision")
+            self.spatial_merge = int(vision.get("spatial_merge_size", 2))
+            self.image_grid = _image_grid(config.model_dir, vision, self.spatial_merge)
         eos = tuple(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos += (self.tokenizer.eos_token_id,)
@@ -171,6 +175,13 @@ class LLMService(Service):
                                                     for part in m.content))
         ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
         check_modalities(items, cfg)
+        if items:  # before any Encode: a request that cannot fit is refused without encoding its items
+            need = prompt_length_before_encoding(ids, items, cfg, image_grid=self.image_grid)
+            limit = self.config.max_model_len
+            if need >= limit or (params.max_tokens and need + params.max_tokens > limit):
+                raise InvalidArgument(f"the prompt takes at least {need} tokens with its items' rows (counted "
+                                      f"before encoding){f' + max_tokens {params.max_tokens}' if params.max_tokens else ''}"
+                                      f"; this model's limit is {limit} tokens (prompt + output)")
         items, decoded = await self.fanout.resolve(items, timeout)
         prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
                               spatial_merge=self.spatial_merge, decoded=decoded)
@@ -221,3 +232,12 @@ def _response(delta: Delta) -> pb.GenerateResponse:
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
     return response
+
+
+def _image_grid(model_dir, vision: ModelConfig, merge: int) -> ImageGrid:
+    """Qwen2-VL's image grid from the checkpoint's vision config and preprocessor_config.json."""
+    import json
+
+    path = model_dir / "preprocessor_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    return ImageGrid.from_preprocessor(raw, patch_size=int(vision.get("patch_size", 14)), merge_size=merge)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,12 +34,12 @@ from PIL import Image, ImageOps
 
 from modalmesh import pb
 from modalmesh.errors import ConfigError, InvalidArgument
+from modalmesh.image_grid import MAX_ASPECT_RATIO, pixel_bounds, smart_resize  # noqa: F401 - re-exported
 from modalmesh.rpc.codec import from_proto
 from services.vision_encoder.decode_memory import DEFAULT_MAX_DECODED_BYTES, MiB, decoded_bytes
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
-MAX_ASPECT_RATIO = 200  # smart_resize's own limit
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -95,8 +94,7 @@ class ImageProcessorConfig:
                     values[key] = int(raw[key])
             # transformers 5 writes size {shortest_edge, longest_edge}; 4 wrote min/max_pixels (top level
             # or inside size). The top-level keys win, as in the processor's __init__.
-            lo = _first(raw.get("min_pixels"), size.get("min_pixels"), size.get("shortest_edge"))
-            hi = _first(raw.get("max_pixels"), size.get("max_pixels"), size.get("longest_edge"))
+            lo, hi = pixel_bounds(raw)
             if lo is not None:
                 values["min_pixels"] = int(lo)
             if hi is not None:
@@ -136,10 +134,6 @@ class ImageProcessorConfig:
     def digest(self) -> bytes:
         """Identifies every parameter here (part of each embedding-cache key)."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
-
-
-def _first(*values):
-    return next((v for v in values if v is not None), None)
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -254,23 +248,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 # ---- resizing and normalisation ---------------------------------------------------------------
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's target size: both sides multiples of `factor`, area within [min, max], aspect kept."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_ASPECT_RATIO}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def rescale_normalize(image: Image.Image, cfg: ImageProcessorConfig) -> np.ndarray:
