@@ -822,3 +822,21 @@ def test_a_request_whose_images_cannot_fit_is_refused_before_any_encode(ckpts):
     finally:
         for p in procs:
             p.terminate(timeout=60)
+
+
+def test_slabs_of_an_encoder_that_restarted_do_not_stay_mapped_in_the_llm(tmp_path):
+    from modalmesh.rpc.codec import to_payload
+    from modalmesh.rpc.shm import ShmExporter, ShmReader
+
+    reader = ShmReader(directory=tmp_path)
+    before = ShmExporter(directory=tmp_path)
+    first = before.export(*to_payload(torch.ones(1000)))
+    assert torch.equal(reader.read(first), torch.ones(1000))
+    assert reader.mapped_slabs == [first.shared_memory.name]
+    before.close()  # the encoder went away: its slabs are unlinked, and no answer names them again
+    after = ShmExporter(directory=tmp_path)
+    second = after.export(*to_payload(torch.zeros(1000)))
+    assert torch.equal(reader.read(second), torch.zeros(1000))
+    assert reader.mapped_slabs == [second.shared_memory.name]
+    after.close()
+    reader.close()

@@ -310,7 +310,8 @@ class ShmReader:
 
     Recently used slabs stay mapped (up to `max_mapped_bytes`): mapping and populating a slab
     costs about as much as copying it. A mapping whose object has been removed is dropped when
-    next used, so retired slabs are not kept alive here.
+    next used, and every mapping of a removed object whenever a new slab is mapped (an encoder
+    that restarted never names its old slabs again), so retired slabs are not kept alive here.
     """
 
     def __init__(self, directory: Path = SHM_DIR, max_mapped_bytes: int = 1 << 30):
@@ -340,6 +341,9 @@ class ShmReader:
                 raise
             entry = (view, fd)
             with self._lock:
+                # A new slab is the moment to look: an encoder that restarted retired all of its old ones,
+                # which no answer will name again, so "dropped when next used" would keep them forever.
+                self._drop_retired()
                 self._maps[slab] = entry
                 mapped = sum(len(m) for m, _ in self._maps.values())
                 while self._maps and mapped > self.max_mapped_bytes:
@@ -350,6 +354,18 @@ class ShmReader:
         if end > len(entry[0]):
             raise InvalidArgument(f"{name}: shared-memory object {slab} has {len(entry[0])} bytes, the ref needs {end}")
         return entry[0]
+
+    def _drop_retired(self) -> None:
+        """Unmap slabs whose objects are gone (caller holds the lock)."""
+        for slab, (_view, fd) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                del self._maps[slab]
+                os.close(fd)  # the mapping goes with the last reference to the view
+
+    @property
+    def mapped_slabs(self) -> list[str]:
+        with self._lock:
+            return list(self._maps)
 
     def read(self, message: pb.Tensor, *, name: str = "tensor",
              device: torch.device | str | None = None) -> torch.Tensor:
