@@ -840,3 +840,27 @@ def test_slabs_of_an_encoder_that_restarted_do_not_stay_mapped_in_the_llm(tmp_pa
     assert reader.mapped_slabs == [second.shared_memory.name]
     after.close()
     reader.close()
+
+
+def test_half_sent_requests_are_cut_off(llm):
+    # 300 half-sent connections stayed open: headers and bodies now have a time limit each.
+    import socket
+
+    from services.gateway.launch import GatewayProcess
+    from tests.test_gateway import GATEWAY
+
+    gw = GatewayProcess([*GATEWAY, "--llm", llm.proc.target, "--header-timeout", "1", "--body-timeout", "1"]).start()
+    try:
+        gw.wait_serving(timeout=120)
+        headers = socket.create_connection(("127.0.0.1", gw.http_port), timeout=20)
+        headers.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # ... and never the rest
+        assert headers.recv(1024) == b""  # closed by the gateway (within the 20 s socket bound)
+        body = socket.create_connection(("127.0.0.1", gw.http_port), timeout=20)
+        body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        answer = body.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:200]
+        headers.close()
+        body.close()
+    finally:
+        assert gw.terminate(timeout=30) == 0

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="allow file:// image URLs for files under DIR (off by default)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
+    parser.add_argument("--header-timeout", type=float, default=30.0,
+                        help="seconds a connection may take to send a request's headers (and may stay idle between "
+                             "requests) before it is closed")
+    parser.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds a request's body may take to arrive: past it, 408")
     parser.add_argument("--max-inflight-body-mb", type=float, default=256.0,
                         help="request bodies being read and parsed at once, together; past it: 503 and Retry-After")
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest image (decoded bytes)")
@@ -195,6 +200,14 @@ class Gateway:
             return self.args.served_model_name
         return self.llm.info.model_id if self.llm is not None and self.llm.info is not None else None
 
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, or 408 once --body-timeout has passed (a client sending a byte a minute)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.args.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.args.body_timeout:g} s "
+                                "(--body-timeout)", code="request_timeout") from None
+
     @contextlib.contextmanager
     def _body_budget(self, request: web.Request):
         """Reserve the request body's bytes (its declared length, or the largest allowed) from one budget for
@@ -276,7 +289,7 @@ class Gateway:
         return served
 
     async def _json(self, request: web.Request) -> dict:
-        raw = await request.read()
+        raw = await self._read_body(request)
         if not raw:
             raise bad_request("the request body is empty: send a JSON object", code="invalid_json")
         try:
@@ -420,7 +433,11 @@ class Gateway:
         vae = self._require(self.vae, "--vae")
         options: dict = dict(request.query)
         if request.content_type.startswith("multipart/"):
-            tensor = await self._latents_multipart(request, options)
+            try:
+                tensor = await asyncio.wait_for(self._latents_multipart(request, options), self.args.body_timeout)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the upload did not arrive within {self.args.body_timeout:g} s (--body-timeout)",
+                               code="request_timeout") from None
         elif request.content_type == "application/json":
             body = await self._json(request)
             latents = body.pop("latents", None)
@@ -437,7 +454,7 @@ class Gateway:
             else:
                 tensor = latents_mod.from_file(data)
         else:  # the file itself as the body (application/octet-stream)
-            data = await request.read()
+            data = await self._read_body(request)
             if not data:
                 raise bad_request("no latents: send a .npy / .safetensors file as the body, as multipart field "
                                   "'file', or base64 in JSON", "latents")
@@ -511,7 +528,10 @@ async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     gateway = Gateway(args, metrics)
-    runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period)
+    # aiohttp closes a connection whose request has not arrived (or that idles) after keepalive_timeout:
+    # that is the header timeout (half-sent requests once stayed open).
+    runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period,
+                           keepalive_timeout=args.header_timeout)
     await runner.setup()
     ssl_context = None
     if args.ssl_certfile or args.ssl_keyfile:
