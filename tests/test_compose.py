@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from modalmesh import pb
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml"]
+FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", "-f", "docker-compose.publish.yml"]
 SERVICES = ("audio_encoder", "vision_encoder", "llm", "vae")
 MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
 HEALTH_DEADLINE_S = 600

@@ -330,3 +330,11 @@ def test_the_compose_models_job_writes_only_its_named_volume():
     for name in ("llm", "vae", "vision_encoder", "audio_encoder"):
         mounts = compose["services"][name].get("volumes") or compose["x-service"]["volumes"]
         assert all(m.endswith(":ro") for m in mounts if ":/models" in m)
+
+
+def test_compose_publishes_only_the_gateway_and_grafana_unless_told():
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    published = {name for name, svc in base.items() if svc.get("ports")}
+    assert published == {"gateway", "grafana"}
+    extra = yaml.safe_load((ROOT / "docker-compose.publish.yml").read_text())["services"]
+    assert {name for name, svc in extra.items() if svc.get("ports")} == {"llm", "vae", "prometheus"}
