@@ -864,3 +864,34 @@ def test_half_sent_requests_are_cut_off(llm):
         body.close()
     finally:
         assert gw.terminate(timeout=30) == 0
+
+
+def test_a_jpeg_past_the_decoded_limit_is_decoded_smaller_and_a_png_is_refused(ckpts):
+    import asyncio
+    import io
+
+    from PIL import Image
+
+    from tests.test_vision_service import _serve
+
+    def encoded(fmt):
+        buf = io.BytesIO()
+        Image.new("RGB", (600, 600), (200, 30, 90)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    async def body():
+        service, server, port, _, _ = await _serve(tiny.ensure("qwen2_vl", ckpts), "--max-image-decoded-mb", "0.5")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                # 600 x 600 RGB decodes to 1 MiB: the JPEG decoder's own 1/2 scale fits the 0.5 MiB limit.
+                ok = await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=encoded("JPEG"))]))
+                assert ok.embeddings[0].num_placeholder_tokens > 0
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=encoded("PNG"))]))
+                assert "(--max-image-decoded-mb)" in err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 120))

@@ -138,8 +138,8 @@ class VisionEncoderModel(EncoderModel):
                                  max_decoded_bytes=int(self.options["max_image_decoded_bytes"]))
         # Decoding and the conversion to RGB are where one small file becomes a lot of memory: each
         # takes its estimated peak from the budget shared by every preparing thread first.
-        with self.decode_budget.hold(peak_bytes(*header), where):
-            image = pp.to_rgb(pp.decode_image(item, index, max_image_pixels=max_pixels))
+        with self.decode_budget.hold(peak_bytes(*header.decoded_size, header.mode), where):
+            image = pp.to_rgb(pp.decode_image(item, index, max_image_pixels=max_pixels, reduce=header.reduce))
             if self.native:
                 rows, grid = pp.qwen2_vl_pixels(image, self.processor, lo, hi, where)
                 del image

@@ -26,6 +26,7 @@ import io
 import json
 import warnings
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import numpy as np
@@ -139,11 +140,24 @@ class ImageProcessorConfig:
 # ---- decoding -------------------------------------------------------------------------------
 
 
+class ImageHeader(NamedTuple):
+    width: int
+    height: int
+    mode: str
+    reduce: int = 1  # a JPEG over the decoded-bytes limit is decoded at 1/reduce scale (PIL's draft)
+
+    @property
+    def decoded_size(self) -> tuple[int, int]:
+        return -(-self.width // self.reduce), -(-self.height // self.reduce)
+
+
 def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
-                 formats: tuple[str, ...] = FORMATS) -> tuple[int, int, str]:
-    """(width, height, PIL mode) of the item's image from its header alone, checked against the limits:
-    pixels, aspect ratio and decoded bytes. Nothing is decoded."""
+                 formats: tuple[str, ...] = FORMATS) -> ImageHeader:
+    """The item's image size and mode from its header alone, checked against the limits: pixels, aspect
+    ratio and decoded bytes. Nothing is decoded. A JPEG whose full decode would pass the bytes limit is
+    decoded smaller (1/2, 1/4 or 1/8: the JPEG decoder's own scaling) when that fits; anything else is
+    refused."""
     where = f"items[{index}]"
     source = item.WhichOneof("source")
     if source == "pixels":
@@ -151,6 +165,7 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
         if len(shape) not in (2, 3) or (len(shape) == 3 and shape[2] != 3):
             raise InvalidArgument(f"{where}.pixels: shape {list(shape)} is not (H, W, 3) RGB or (H, W) greyscale")
         header = int(shape[1]), int(shape[0]), "RGB" if len(shape) == 3 else "L"
+        jpeg = False
     elif source == "data":
         if not item.data:
             raise InvalidArgument(f"{where}: empty image data")
@@ -159,6 +174,7 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with Image.open(io.BytesIO(item.data), formats=list(formats)) as image:
                     header = *image.size, image.mode
+                    jpeg = image.format == "JPEG"
         except Image.DecompressionBombError as e:
             raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
         except Image.UnidentifiedImageError:
@@ -170,19 +186,25 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
         return decode_image(item, index, max_image_pixels=max_image_pixels, formats=formats)  # raises
     _check_size(header[0], header[1], where, max_image_pixels)
     size = decoded_bytes(*header)
-    if size > max_decoded_bytes:
-        raise InvalidArgument(f"{where}: a {header[0]}x{header[1]} {header[2]} image decodes to {size / MiB:.0f} MiB; "
-                              f"the server's limit is {max_decoded_bytes / MiB:.0f} MiB (--max-image-decoded-mb)")
-    return header
+    if size <= max_decoded_bytes:
+        return ImageHeader(*header)
+    if jpeg:
+        for reduce in (2, 4, 8):
+            smaller = ImageHeader(*header, reduce)
+            if decoded_bytes(*smaller.decoded_size, header[2]) <= max_decoded_bytes:
+                return smaller
+    raise InvalidArgument(f"{where}: a {header[0]}x{header[1]} {header[2]} image decodes to {size / MiB:.0f} MiB; "
+                          f"the server's limit is {max_decoded_bytes / MiB:.0f} MiB (--max-image-decoded-mb)")
 
 
 def decode_image(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 formats: tuple[str, ...] = FORMATS) -> Image.Image:
-    """The item's image, upright, not yet converted to RGB; InvalidArgument for anything unusable."""
+                 formats: tuple[str, ...] = FORMATS, reduce: int = 1) -> Image.Image:
+    """The item's image, upright, not yet converted to RGB; InvalidArgument for anything unusable.
+    `reduce` > 1 decodes a JPEG at that fraction of its size (see image_header)."""
     where = f"items[{index}]"
     source = item.WhichOneof("source")
     if source == "data":
-        return _decode_bytes(item.data, where, max_image_pixels, formats)
+        return _decode_bytes(item.data, where, max_image_pixels, formats, reduce)
     if source == "pixels":
         return _from_pixels(item.pixels, where, max_image_pixels)
     if source is None:
@@ -201,7 +223,8 @@ def _check_size(width: int, height: int, where: str, max_image_pixels: int) -> N
                               f"{width}x{height} image exceeds {MAX_ASPECT_RATIO}")
 
 
-def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple[str, ...]) -> Image.Image:
+def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple[str, ...],
+                  reduce: int = 1) -> Image.Image:
     if not data:
         raise InvalidArgument(f"{where}: empty image data")
     try:
@@ -210,6 +233,9 @@ def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=list(formats))
             _check_size(*image.size, where, max_image_pixels)
+            if reduce > 1 and image.format == "JPEG":
+                width, height = image.size
+                image.draft(image.mode, (-(-width // reduce), -(-height // reduce)))
             image.load()
             return ImageOps.exif_transpose(image)
     except InvalidArgument:
