@@ -489,9 +489,15 @@ def test_a_decode_nobody_waits_for_stops_between_blocks(ckpts):
     calls.clear()
     with pytest.raises(DecodeAbandoned):
         engine.decode(z, TilingRequest(mode=1), should_stop=lambda: len(calls) >= 5)
+    assert len(calls) == 5 < whole  # it stopped at the next block, not at the end
+    calls.clear()
+    from modalmesh.errors import DeadlineExceeded
+
+    with pytest.raises(DeadlineExceeded, match="--max-decode-seconds"):  # a time budget stops it the same way
+        engine.decode(z, TilingRequest(mode=1), budget_s=1e-9)
+    assert len(calls) <= 1
     for h in hook:
         h.remove()
-    assert len(calls) == 5 < whole  # it stopped at the next block, not at the end
 
 
 def test_an_abandoned_decode_frees_the_worker_and_untiled_decodes_are_guarded(ckpts):

@@ -14,13 +14,14 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from modalmesh.errors import ResourceExhausted
+from modalmesh.errors import DeadlineExceeded, ResourceExhausted
 from services.vae.config import VAEConfig
 from services.vae.models.autoencoder_kl import ResnetBlock
 from services.vae.tiling import TileGrid, tiled_decode
@@ -150,18 +151,20 @@ class VAEEngine:
 
     @torch.inference_mode()
     def decode(self, z: torch.Tensor, req: TilingRequest = TilingRequest(), *,
-               should_stop: Callable[[], bool] | None = None) -> DecodeResult:
+               should_stop: Callable[[], bool] | None = None, budget_s: float = 0.0) -> DecodeResult:
         """z: (B, C, h, w) as AutoencoderKL.decode takes it (already unscaled), any device/float dtype.
 
         `should_stop` is asked before every resnet block (and so between tiles): once it says yes the
-        decode stops with DecodeAbandoned, so a request nobody waits for no longer holds the worker."""
-        if should_stop is None:
+        decode stops with DecodeAbandoned, so a request nobody waits for no longer holds the worker.
+        Past `budget_s` seconds (0: none) it stops the same way with DeadlineExceeded."""
+        if should_stop is None and not budget_s:
             return self._decode_or_tile(z, req)
-        hooks = [m.register_forward_pre_hook(_stop_point(should_stop)) for m in self.model.modules()
-                 if isinstance(m, ResnetBlock)]
+        deadline = time.monotonic() + budget_s if budget_s else None
+        hooks = [m.register_forward_pre_hook(_stop_point(should_stop, deadline, budget_s))
+                 for m in self.model.modules() if isinstance(m, ResnetBlock)]
         try:
             return self._decode_or_tile(z, req)
-        except DecodeAbandoned:
+        except (DecodeAbandoned, DeadlineExceeded):
             self._release()
             raise
         finally:
@@ -217,10 +220,13 @@ class DecodeAbandoned(Exception):
     """Every request of the decode went away (cancelled, deadline passed): it stopped between blocks."""
 
 
-def _stop_point(should_stop: Callable[[], bool]):
+def _stop_point(should_stop: Callable[[], bool] | None, deadline: float | None, budget_s: float):
     def check(module, args):
-        if should_stop():
+        if should_stop is not None and should_stop():
             raise DecodeAbandoned("every request of this decode went away")
+        if deadline is not None and time.monotonic() > deadline:
+            raise DeadlineExceeded(f"the decode took longer than {budget_s:g} s (--max-decode-seconds); "
+                                   "send smaller latents or fewer images")
 
     return check
 

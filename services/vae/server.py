@@ -180,6 +180,8 @@ class VAEDecoderService(Service):
         g.add_argument("--tile-threshold", type=int, default=0,
                        help="AUTO tiling when a latent side exceeds this (0: the tile size)")
         g.add_argument("--tile-batch", type=int, default=4, help="tiles per decoder call when tiling")
+        g.add_argument("--max-decode-seconds", type=float, default=300.0,
+                       help="a decoder call stops past this (DEADLINE_EXCEEDED), keeping the queue moving; 0: none")
         g.add_argument("--max-untiled-mb", type=int, default=0,
                        help="AUTO tiling when an untiled decode would need more (0: free device memory on CUDA)")
         g.add_argument("--channels-last", action="store_true", help="NHWC activations (CUDA convolutions)")
@@ -344,7 +346,8 @@ class VAEDecoderService(Service):
         # A cancelled RPC cancels its job's future: once every job of the batch is gone, stop decoding.
         result = self.engine.decode(z, jobs[0].tiling,
                                     should_stop=lambda: all(j.future is not None and j.future.cancelled()
-                                                            for j in jobs))
+                                                            for j in jobs),
+                                    budget_s=self.args.max_decode_seconds)
         images = z.shape[0]
         height, width = result.pixels.shape[-2:]
         self.metrics.batch_size.observe(images)
