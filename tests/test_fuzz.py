@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -166,3 +165,98 @@ def test_random_chat_bodies_get_an_answer_or_a_4xx(gateway, body):
         body["max_tokens"] = body["max_tokens"] % 4 or 1  # keep answers short; the extremes are in top_k
     status, _, answer = post(gateway, "/v1/chat/completions", json.dumps(body).encode(), raw=True)
     assert status in (200, 400, 404, 413, 422, 429), (status, answer[:300], body)
+
+
+# ---- the encoders and the VAE over gRPC -------------------------------------------------------------
+encode_items = st.builds(
+    pb.EncodeItem,
+    data=st.one_of(st.binary(max_size=64), st.sampled_from([b"\x89PNG\r\n\x1a\n" + b"\0" * 30, b"RIFF" + b"\0" * 40,
+                                                           b"\xff\xd8\xff" + b"\0" * 20])),
+    sample_rate=st.integers(0, 2**31 - 1),
+    min_pixels=INT32, max_pixels=INT32,
+)
+pixel_items = st.builds(
+    pb.EncodeItem,
+    pixels=st.builds(pb.Tensor, dtype=st.integers(0, 12), shape=st.lists(st.integers(-2, 70), max_size=4),
+                     data=st.binary(max_size=2048)),
+    sample_rate=st.integers(0, 400_000),
+)
+pcm_items = st.builds(
+    pb.EncodeItem,
+    pcm=st.builds(pb.Tensor, dtype=st.integers(0, 12), shape=st.lists(st.integers(-2, 4000), max_size=3),
+                  data=st.binary(max_size=4096)),
+    sample_rate=st.one_of(st.integers(-5, 400_000), st.sampled_from([16000, 44100, 96001, 1_535_999])),
+)
+encode_requests = st.builds(pb.EncodeRequest, items=st.lists(st.one_of(encode_items, pixel_items, pcm_items),
+                                                              max_size=3))
+
+
+def _grpc_service(module: str, model_dir, *flags):
+    from modalmesh.launcher import ServiceProcess
+
+    proc = ServiceProcess(module, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--device", "cpu",
+                                   "--model", str(model_dir), *flags]).start()
+    proc.wait_serving(timeout=180)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz-encoders")
+    procs = {"vision": _grpc_service("vision_encoder", tiny.ensure("qwen2_vl", root)),
+             "audio": _grpc_service("audio_encoder", tiny.ensure("qwen2_audio", root)),
+             "vae": _grpc_service("vae", tiny.ensure("vae", root))}
+    channels = {name: grpc.insecure_channel(p.target) for name, p in procs.items()}
+    yield procs, channels
+    for channel in channels.values():
+        channel.close()
+    for p in procs.values():
+        assert p.terminate(timeout=60) == 0
+
+
+def _client_error_or_ok(call):
+    try:
+        call()
+    except grpc.RpcError as exc:
+        assert exc.code() in CLIENT_ERRORS, (exc.code(), exc.details())
+        assert "\n" not in (exc.details() or "")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                       HealthCheck.too_slow])
+@given(request=encode_requests)
+def test_random_encode_requests_get_an_answer_or_a_client_error(encoders, request):
+    _, channels = encoders
+    for name in ("vision", "audio"):
+        stub = pb.encoder_pb2_grpc.EncoderServiceStub(channels[name])
+        _client_error_or_ok(lambda: stub.Encode(request, timeout=60))
+
+
+decode_requests = st.builds(
+    pb.DecodeRequest,
+    latents=st.builds(pb.Tensor, dtype=st.integers(0, 12),
+                      shape=st.one_of(st.lists(st.integers(-2, 9), max_size=5),
+                                      st.tuples(st.integers(1, 2), st.just(4), st.integers(1, 9),
+                                                st.integers(1, 9)).map(list)),
+                      data=st.binary(max_size=4096)),
+    output=st.integers(0, 4), skip_scaling=st.booleans(),
+    tiling=st.builds(pb.TilingOptions, mode=st.integers(0, 4), tile_latent_size=INT32, overlap_latent=INT32),
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                       HealthCheck.too_slow])
+@given(request=decode_requests)
+def test_random_decode_requests_get_an_answer_or_a_client_error(encoders, request):
+    _, channels = encoders
+    stub = pb.vae_pb2_grpc.VAEServiceStub(channels["vae"])
+    _client_error_or_ok(lambda: stub.Decode(request, timeout=60))
+
+
+def test_after_the_fuzzing_the_encoders_and_the_vae_serve_within_their_memory_bound(encoders):
+    procs, channels = encoders
+    for name, p in procs.items():
+        stub = (pb.vae_pb2_grpc.VAEServiceStub if name == "vae" else pb.encoder_pb2_grpc.EncoderServiceStub)(
+            channels[name])
+        assert stub.Info(pb.InfoRequest(), timeout=10).ready
+        assert _peak_rss_mb(p.proc.pid) < RSS_BOUND_MB, name
