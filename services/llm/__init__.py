@@ -1,1 +1,21 @@
-"""x"""
+"""LLM service: streaming multimodal generation over a paged KV pool, sharded over GPUs (LLMService).
+
+    python -m services.llm --model DIR [--tensor-parallel-size N] [--vision-encoder T] [--audio-encoder T]
+
+    config.py       LLMConfig: every setting, one frozen value built from the flags, replaced per rank
+    server.py       LLMService: the gRPC servicer; tokenise, validate, resolve items, stream deltas
+    inputs.py       request -> typed prompt: tokenisation, placeholder runs, rows counted before encoding
+    encoders.py     the encoder pools (round_robin, shared memory or bytes) and their fan-out
+    engine.py       LLMEngine: the worker thread (scheduler step, model, detokenise, stop, emit)
+    request.py      RequestState and Delta: one request inside the engine
+    scheduler.py    continuous batching over the page allocator, pure Python
+    runner.py       ModelRunner: the model on one rank (launch / call / loop / execute)
+    step_inputs.py  StepInputs and StepChannel: one step's inputs as one message, to every rank
+    graphs.py       decode steps replayed from CUDA graphs, per batch bucket
+    tp.py           RankWorkers: ranks 1..N-1 as child processes of rank 0
+    sampling.py     SamplingParams, RequestLimits and the batched sampler
+    stops.py        stop strings matched incrementally (Aho-Corasick)
+    detokenizer.py  incremental detokenisation that never leaks a stop string
+    loader.py       load_llm: checkpoint -> model, strictly
+    models/         the language models (Llama, Qwen2/3, GPT-NeoX, the LMs of Qwen2-VL / Qwen2-Audio)
+"""

@@ -3,7 +3,9 @@
     python -m services.vision_encoder --model DIR [--max-batch-tokens N] [--max-image-pixels N]
                                       [--max-request-pixels N] [--siglip-output patch|pooled|both]
 
-    preprocess.py   decoding and HF-exact preprocessing (smart_resize, rescale, normalise, patchify)
+    preprocess.py   decoding and HF-exact preprocessing (rescale, normalise, patchify; the grid in
+                    modalmesh/image_grid.py)
+    decode_memory.py  decoded-bytes limits and the decode memory budget shared by preparing threads
     models/         the towers: Qwen2-VL, Qwen2.5-VL (window attention), SigLIP; architecture only
     model.py        VisionEncoderModel: the shared encoder contract (prepare / encode)
     server.py       VisionEncoderService: the shared EncoderService plus vision flags and Info facts
