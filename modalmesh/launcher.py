@@ -29,6 +29,18 @@ _LISTENING = re.compile(
 PARENT_PID_ENV = "MODALMESH_PARENT_PID"
 
 
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel for `sig` when this process's parent dies (Linux PR_SET_PDEATHSIG); False if not set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig) == 0
+    except Exception:  # noqa: BLE001 - best effort: a missing libc only loses orphan cleanup
+        return False
+
+
 def die_with_parent() -> None:
     """Called first thing in a launched child: SIGTERM it when the launcher dies (Linux), so nothing is orphaned.
 
@@ -37,13 +49,7 @@ def die_with_parent() -> None:
     If the launcher died before this ran, the child is already orphaned: it exits at once.
     """
     expected = os.environ.pop(PARENT_PID_ENV, None)
-    if expected is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort: a missing libc only loses orphan cleanup
+    if expected is None or not set_parent_death_signal(signal.SIGTERM):
         return
     try:
         os.kill(int(expected), 0)  # the launcher (not necessarily our parent: a wrapper may sit between)

@@ -220,6 +220,20 @@ class _Slow(pb.encoder_pb2_grpc.EncoderServiceServicer):
         return pb.ServiceInfo(service="slow", ready=True)
 
 
+async def _code(awaitable) -> grpc.StatusCode:
+    """The status an awaited call ends with (OK when it returns)."""
+    try:
+        await awaitable
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
 async def _aged_server(*flags):
     from modalmesh.rpc.server import GrpcServer
     from modalmesh.service import build_parser, server_config
@@ -244,11 +258,7 @@ def test_an_aged_connection_never_cuts_a_call_in_flight_unless_told_to():
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                     stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
-                    try:
-                        await stub.Encode(pb.EncodeRequest(request_id="1.5"), timeout=30)
-                        code = grpc.StatusCode.OK
-                    except grpc.aio.AioRpcError as exc:
-                        code = exc.code()
+                    code = await _code(stub.Encode(pb.EncodeRequest(request_id="1.5"), timeout=30))
                     assert code == expect, flags
             finally:
                 await server.stop(0)
@@ -611,12 +621,7 @@ def test_services_bind_loopback_unless_told_and_reflection_can_be_turned_off():
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                     call = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")(
                         iter([b"\x3a\x00"]))  # list_services
-                    try:
-                        async for _ in call:
-                            pass
-                        got = grpc.StatusCode.OK
-                    except grpc.aio.AioRpcError as exc:
-                        got = exc.code()
+                    got = await _code(_drain(call))
                     assert got == code, flags
             finally:
                 await server.stop(0)
@@ -641,11 +646,8 @@ def test_a_shared_token_and_mutual_tls_keep_other_callers_out(tmp_path):
 
     async def call(security, timeout=5):
         async with aio_channel(f"127.0.0.1:{port}", security=security) as channel:
-            try:
-                await pb.encoder_pb2_grpc.EncoderServiceStub(channel).Encode(pb.EncodeRequest(), timeout=timeout)
-                return grpc.StatusCode.OK
-            except grpc.aio.AioRpcError as exc:
-                return exc.code()
+            return await _code(pb.encoder_pb2_grpc.EncoderServiceStub(channel).Encode(pb.EncodeRequest(),
+                                                                                       timeout=timeout))
 
     async def body():
         nonlocal port

@@ -145,7 +145,7 @@ def _lone_surrogate(value, path: str, depth: int = 0) -> str | None:
 
 
 class Gateway:
-    def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics):
+    def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None = None):
         self.args = args
         self.metrics = metrics
         self.started = int(time.time())
@@ -155,7 +155,7 @@ class Gateway:
         self.limits = protocol.Limits(max_image_bytes=int(args.max_image_mb * MiB),
                                       max_audio_bytes=int(args.max_audio_mb * MiB), local_media_root=root)
         max_message = args.max_message_mb * MiB
-        security = Security.from_args(args)
+        security = security if security is not None else Security.from_args(args)
         self.llm = Backend("llm", args.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
                            on_change=self._health_changed, security=security) if args.llm else None
         self.vae = Backend("vae", args.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
@@ -522,12 +522,12 @@ class Gateway:
         return web.json_response(body, status=200 if state == "ok" else 503)
 
 
-async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> int:
+async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    gateway = Gateway(args, metrics)
+    gateway = Gateway(args, metrics, security)
     # aiohttp closes a connection whose request has not arrived (or that idles) after keepalive_timeout:
     # that is the header timeout (half-sent requests once stayed open).
     runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period,
@@ -585,12 +585,12 @@ def main(argv=None) -> int:
         print("error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
     try:
-        Security.from_args(args)  # readable files, consistent flags: checked before serving
+        security = Security.from_args(args)  # readable files, consistent flags: checked before serving
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     metrics = metrics_mod.install(metrics_mod.Metrics("gateway"))
-    code = asyncio.run(serve(args, metrics))
+    code = asyncio.run(serve(args, metrics, security))
     for sig in (signal.SIGTERM, signal.SIGINT):  # a late second signal must not turn exit 0 into -15
         signal.signal(sig, signal.SIG_IGN)
     return code

@@ -83,16 +83,15 @@ class StepChannel:
                   int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length]
         # Pinned and from the caching host allocator: the copy below is asynchronous, and the allocator
         # keeps this block until the copy has run, so the next step cannot overwrite it early.
-        host = torch.empty(HEADER + length, dtype=torch.int64, pin_memory=self._pinned)
+        # Under TP the first broadcast is always `capacity` words: allocate at least that, so it is a view.
+        size = HEADER + length if self.world_size == 1 else max(HEADER + length, self.capacity)
+        host = torch.empty(size, dtype=torch.int64, pin_memory=self._pinned)
         host[:HEADER] = torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.int64)
-        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host[HEADER:])
+        torch.cat([p.reshape(-1).to(torch.int64) for p in parts], out=host[HEADER:HEADER + length])
         message = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
         if self.world_size > 1:
-            first = message[:self.capacity]
-            if first.numel() < self.capacity:  # receivers take a full buffer
-                first = torch.cat([first, first.new_zeros(self.capacity - first.numel())])
-            distributed.broadcast(first)
-            if message.numel() > self.capacity:
+            distributed.broadcast(message[:self.capacity])  # receivers take a full buffer; the tail is unread
+            if HEADER + length > self.capacity:
                 distributed.broadcast(message[self.capacity:])
         return _unpack(message, host, s.splices)
 

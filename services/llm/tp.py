@@ -17,13 +17,13 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
 from modalmesh import distributed
+from modalmesh.launcher import set_parent_death_signal
 from services.llm.config import LLMConfig
 
 log = logging.getLogger(__name__)
@@ -48,13 +48,7 @@ def _rank_main(config: LLMConfig, parent: int) -> None:
 
 def _die_with(parent: int) -> None:
     """SIGKILL this process when its parent (rank 0) dies; leave at once if it already has."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except Exception:  # noqa: BLE001 - best effort: rank 0's watch still ends the group
-            pass
+    set_parent_death_signal(signal.SIGKILL)  # best effort: rank 0's watch still ends the group
     if os.getppid() != parent:
         os._exit(1)
 
