@@ -903,3 +903,22 @@ def test_a_jpeg_past_the_decoded_limit_is_decoded_smaller_and_a_png_is_refused(c
             await service.close()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_bad_security_and_ageing_flags_fail_start_up_naming_the_flag(tmp_path):
+    from modalmesh.errors import ConfigError
+    from modalmesh.rpc.security import Security
+    from modalmesh.service import build_parser, server_config
+
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
+        Security.from_files(cert=str(tmp_path / "a.crt"))
+    with pytest.raises(ConfigError, match="--tls-client-ca needs --tls-cert"):
+        Security.from_files(client_ca=str(tmp_path / "ca.crt"))
+    with pytest.raises(ConfigError, match="--auth-token-file .*cannot read it"):
+        Security.from_files(token_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="the file is empty"):
+        Security.from_files(token_file=str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="--max-connection-age"):
+        server_config(build_parser("x", "").parse_args(["--max-connection-age", "-1"]))
+    assert "token" not in repr(Security(token="secret")) and "secret" not in repr(Security(token="secret"))
