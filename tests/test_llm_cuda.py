@@ -76,12 +76,13 @@ def test_fp32_greedy_on_cuda_equals_hf_generate(root, family):
         assert len(set(ids)) > 3
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family):
+def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family, fused):
     from transformers import AutoModelForCausalLM
 
     path = tiny.ensure(family, root)
-    model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.bfloat16)
+    model, cfg, _ = load_llm(path, device=torch.device("cuda"), dtype=torch.bfloat16, fused_kernels=fused)
     pool = build_kv_pool(cfg, "cuda", max_model_len=256, dtype=torch.bfloat16, kv_cache_tokens=512,
                          metrics=Metrics("llm", process_metrics=False))
     prompt = PROMPTS[2]

@@ -197,7 +197,8 @@ def test_step_inputs_round_trip_at_tp1():
 def _args(**kw):
     base = dict(tensor_parallel_size=1, max_model_len=None, kv_cache_tokens=None, dummy_weights=False,
                 attention_backend=None, page_size=16, mem_fraction=0.9, max_num_seqs=8, max_batch_tokens=64,
-                max_prefill_chunk=None, max_queue=4, enforce_eager=False, vision_encoder=None, audio_encoder=None,
+                max_prefill_chunk=None, max_queue=4, enforce_eager=False, no_fused_kernels=False, vision_encoder=None,
+                audio_encoder=None,
                 encoder_timeout=5.0, allow_foreign_encoders=False, encoder_shared_memory="off", max_message_mb=8,
                 max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=256, max_items_per_request=64,
                 log_level="INFO")

@@ -84,3 +84,15 @@ def test_bad_rope_configs_are_clear_errors():
         RotaryEmbedding(8, 8, 16, {"rope_type": "longrope"})
     with pytest.raises(ConfigError, match="must sum to"):
         RotaryEmbedding(16, 16, 16, {}, mrope_section=(1, 1, 1))
+
+
+def test_rotary_module_moves_and_casts_like_any_module():
+    """Regression: its rotation helper was named `_apply`, shadowing nn.Module._apply, so `.to()` on the
+    rotary module, or on any model holding one, raised TypeError."""
+    rotary = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0})
+    rotary.to(torch.float64)
+    assert rotary.cos_sin.dtype == torch.float64
+    rotary.to("cpu", torch.float32)
+    q = torch.randn(3, 2, 16)
+    out_q, out_k = rotary(torch.arange(3), q, q)
+    assert out_q.shape == q.shape and torch.equal(out_q[0], q[0])  # position 0 is the identity

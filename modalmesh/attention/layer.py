@@ -97,6 +97,8 @@ class Attention(nn.Module):
         v: torch.Tensor,
         meta: VarlenMetadata | PagedMetadata | None = None,
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         meta = meta if meta is not None else current_metadata()
         layout = "dense"
@@ -113,7 +115,7 @@ class Attention(nn.Module):
         route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size, offset)
         if route.rerouted_from is not None:
             self.selector.count_reroute(self.selection, route)
-        if layout == "paged":
+        if layout == "paged" and not kv_written:  # kv_written: the caller's fused kernel stored them
             store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         if tokens == 0:
             return q.new_empty((*q.shape[:-1], self.v_head_dim))

@@ -2,7 +2,8 @@
 
 GatedMLP is SwiGLU (Llama, Qwen) or GeGLU by activation name: ``gate_up_proj``
 (column-parallel, gate|up fused) -> act(gate) * up -> ``down_proj``
-(row-parallel). MLP is the plain two-layer block (GPT-NeoX, ViTs); its module
+(row-parallel); built with ``fused=True``, SiLU * up is one Triton kernel on
+CUDA (`modalmesh.kernels.activation`). MLP is the plain two-layer block (GPT-NeoX, ViTs); its module
 names are arguments so checkpoints load without renames.
 """
 
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modalmesh import kernels
+from modalmesh.kernels import activation as activation_kernels
 from modalmesh.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -49,14 +52,19 @@ def get_activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False, **tp):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False, *,
+                 fused: bool = False, **tp):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias, **tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp)
         self.act = get_activation(hidden_act)
+        self.fused = fused and self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and kernels.usable(gate_up) and activation_kernels.fusable(gate_up):
+            return self.down_proj(activation_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

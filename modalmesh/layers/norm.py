@@ -3,7 +3,8 @@
 RMSNorm follows the Llama/Qwen reference exactly: statistics in float32, the
 normalised activations cast back to the input dtype before the weight scales
 them. ``forward(x, residual)`` fuses the residual add that precedes every
-pre-norm in a decoder layer and returns the new residual as well.
+pre-norm in a decoder layer and returns the new residual as well. Built with
+``fused=True``, it runs as one Triton kernel on CUDA (`modalmesh.kernels.norm`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modalmesh import kernels
+from modalmesh.kernels import norm as norm_kernels
 from modalmesh.weights.param import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None,
+                 fused: bool = False):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
 
@@ -30,13 +35,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused and kernels.usable(x) and norm_kernels.fusable(x, residual):
+            return norm_kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}" + (", fused" if self.fused else "")
 
 
 class LayerNorm(nn.Module):

@@ -5,6 +5,8 @@ is split in two halves rotated against each other (``rotate_half``). A
 cos/sin table over positions is built once per model and indexed per forward.
 M-RoPE (Qwen2-VL): positions are (3, T) — temporal, height, width — and the
 frequency bands are split by ``mrope_section``, band i taking component i % 3.
+`rotate_and_store` rotates q and k and writes k and v into the paged KV pool in
+one Triton kernel (`modalmesh.kernels.rotary`), where `can_fuse` allows it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from modalmesh import kernels
 from modalmesh.errors import ConfigError
+from modalmesh.kernels import rotary as rotary_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -105,14 +109,17 @@ class RotaryEmbedding(nn.Module):
         if length > self.cos_sin.shape[0]:
             self.cos_sin = self._table(length, self.cos_sin.device)
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table_for(self, positions: torch.Tensor) -> torch.Tensor:
         # On an accelerator, reading positions.max() would stall the host every layer: callers size
         # the table up front with ensure(); on the CPU the check is free, so the table grows there.
         if positions.device.type == "cpu" and positions.numel():
             needed = int(positions.max()) + 1
             if needed > self.cos_sin.shape[0]:
                 self.ensure(max(needed, 2 * self.cos_sin.shape[0]))
-        table = self.cos_sin[positions]  # (T, rd) or (3, T, rd)
+        return self.cos_sin
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table_for(positions)[positions]  # (T, rd) or (3, T, rd)
         half = self.rotary_dim // 2
         cos, sin = table[..., :half], table[..., half:]
         if self.mrope_section is not None:
@@ -125,9 +132,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._cos_sin(positions)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def can_fuse(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
+        """Whether `rotate_and_store` can take these inputs (else: `forward`, then the attention's store)."""
+        return kernels.usable(q) and rotary_kernels.fusable(positions, q, self.rotary_dim,
+                                                            self.mrope_section is not None)
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotated q; rotated k and v written into `kv_cache` at `slot_mapping` (one kernel)."""
+        return rotary_kernels.rope_and_store(positions, q, k, v, self._table_for(positions), kv_cache[0],
+                                             kv_cache[1], slot_mapping)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
         rot = x[..., :rd].float()
         rotated = (rot * cos + rotate_half(rot) * sin).to(x.dtype)

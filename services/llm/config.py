@@ -56,6 +56,7 @@ class LLMConfig:
     max_prefill_chunk: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
+    fused_kernels: bool = True  # the decoder layers' Triton kernels on CUDA (modalmesh.kernels)
     # tensor parallelism
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -111,7 +112,8 @@ class LLMConfig:
             attention_backend=args.attention_backend or "", max_model_len=max_model_len, page_size=args.page_size,
             kv_cache_tokens=kv_tokens, mem_fraction=args.mem_fraction, max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=args.max_prefill_chunk,
-            max_queue=args.max_queue, cuda_graphs=not args.enforce_eager, tensor_parallel_size=tp,
+            max_queue=args.max_queue, cuda_graphs=not args.enforce_eager,
+            fused_kernels=not args.no_fused_kernels, tensor_parallel_size=tp,
             encoders=EncoderTargets(vision=args.vision_encoder, audio=args.audio_encoder,
                                     timeout_s=args.encoder_timeout, allow_foreign=args.allow_foreign_encoders,
                                     shared_memory=args.encoder_shared_memory == "auto",

@@ -10,7 +10,8 @@ copied strictly into parameters materialised on `device` in `dtype`.
 ``dummy=True`` gives random weights of the same shapes (benchmarks). The
 attention selector is the caller's (each TP rank builds one from the service's
 config); without one, a selector with automatic choices for `device` is built
-here — never the process-wide one.
+here — never the process-wide one. ``fused_kernels=True`` lets the layers run
+their Triton kernels on CUDA (`modalmesh.kernels`).
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ def resolve_dtype(dtype: torch.dtype | str | None, cfg: ModelConfig) -> torch.dt
 
 
 def load_llm(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype | str | None,
-             page_size: int = 16, dummy: bool = False,
-             selector: AttentionSelector | None = None) -> tuple[CausalLM, ModelConfig, LoadReport]:
+             page_size: int = 16, dummy: bool = False, selector: AttentionSelector | None = None,
+             fused_kernels: bool = False) -> tuple[CausalLM, ModelConfig, LoadReport]:
     cfg = ModelConfig.from_hf(model_dir)
     cls = model_class(cfg)
     dtype = resolve_dtype(dtype, cfg)
     if selector is None:
         selector = AttentionSelector("", device=device)
     with torch.device("meta"):
-        model = cls(cfg, selector=selector, dtype=dtype, page_size=page_size)
+        model = cls(cfg, selector=selector, dtype=dtype, page_size=page_size, fused_kernels=fused_kernels)
     report = load_checkpoint(model, model_dir, mapper=cls.weights_mapper, stacked=cls.stacked_params,
                              prefixes=cls.checkpoint_prefixes, device=device, dtype=dtype, dummy=dummy)
     return model.eval(), cfg, report

@@ -91,7 +91,7 @@ class ModelRunner:
         self.selector = AttentionSelector(config.attention_backend, device=self.device, metrics=self.metrics)
         self.model, self.model_config, _ = load_llm(config.model_dir, device=self.device, dtype=config.dtype,
                                                     page_size=config.page_size, dummy=config.dummy_weights,
-                                                    selector=self.selector)
+                                                    selector=self.selector, fused_kernels=config.fused_kernels)
         self.pool = build_kv_pool(self.model_config, self.device, max_model_len=config.max_model_len,
                                   dtype=config.dtype, tp_size=config.world_size, page_size=config.page_size,
                                   kv_cache_tokens=config.kv_cache_tokens, mem_fraction=config.mem_fraction,

@@ -74,6 +74,8 @@ class LLMService(Service):
                             help="shard the model over this many GPUs (ranks 1.. run as child processes)")
         parser.add_argument("--enforce-eager", action="store_true",
                             help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
+        parser.add_argument("--no-fused-kernels", action="store_true",
+                            help="the decoder layers' unfused PyTorch path on CUDA too (no Triton kernels)")
         parser.add_argument("--vision-encoder", default=None, metavar="TARGET",
                             help="vision encoder pool, e.g. dns:///vision_encoder:50051 or ipv4:127.0.0.1:50061,...")
         parser.add_argument("--audio-encoder", default=None, metavar="TARGET", help="audio encoder pool")

@@ -42,9 +42,10 @@ class CausalLM(nn.Module):
     stacked_params: ClassVar[StackedMapping] = QKV_GATE_UP
 
     def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
-                 page_size: int = 16):
+                 page_size: int = 16, fused_kernels: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.fused_kernels = fused_kernels  # the layers' Triton kernels on CUDA (modalmesh.kernels)
         self.dtype = dtype or torch.get_default_dtype()
         self.page_size = page_size
         # Handed in by whoever builds the model (each TP rank builds its own from the config): every

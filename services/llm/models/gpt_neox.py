@@ -85,8 +85,8 @@ class GPTNeoXForCausalLM(CausalLM):
     stacked_params = StackedMapping([("query_key_value", "query_key_value", "qkv_per_head")])
 
     def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
-                 page_size: int = 16):
-        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size)
+                 page_size: int = 16, fused_kernels: bool = False):  # LayerNorm, GELU: nothing fused
+        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size, fused_kernels=fused_kernels)
         self.model = NeoXModel(self)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -7,7 +7,9 @@ Switches are class data: a bool, or the name of a config key (default False).
 RoPE scaling (linear, llama3, yarn) and partial rotary come from `cfg.rope`;
 Qwen2 sliding-window layers (``cfg.layer_types``) attend over the last
 ``sliding_window`` tokens. Checkpoint names match the module tree except the
-fused q|k|v and gate|up projections (`QKV_GATE_UP`).
+fused q|k|v and gate|up projections (`QKV_GATE_UP`). With ``fused_kernels``,
+on CUDA, residual add + RMSNorm, RoPE + KV write and SiLU * up each run as one
+Triton kernel (`modalmesh.kernels`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class DecoderAttention(nn.Module):
                                           bias=lm.flag(lm.qkv_bias))
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=lm.flag(lm.o_bias))
         if lm.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fused=lm.fused_kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fused=lm.fused_kernels)
+        self.fused = lm.fused_kernels
         window = (cfg.sliding_window - 1, 0) if cfg.layer_is_sliding(layer) else None
         self.attn = Attention(self.qkv_proj.num_heads, cfg.head_dim, num_kv_heads=self.qkv_proj.num_kv_heads,
                               component="llm", causal=True, window=window, layouts=("paged",),
@@ -53,8 +56,12 @@ class DecoderAttention(nn.Module):
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = self.attn(q, k, v, meta, kv_cache=kv_cache)
+        if self.fused and rotary.can_fuse(positions, q):
+            q = rotary.rotate_and_store(positions, q, k, v, kv_cache, meta.slot_mapping)
+            out = self.attn(q, k, v, meta, kv_cache=kv_cache, kv_written=True)
+        else:
+            q, k = rotary(positions, q, k)
+            out = self.attn(q, k, v, meta, kv_cache=kv_cache)
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -62,10 +69,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, lm: LlamaForCausalLM, layer: int):
         super().__init__()
         cfg = lm.cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        fused = lm.fused_kernels
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, fused=fused)
         self.self_attn = DecoderAttention(lm, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act or "silu", bias=lm.flag(lm.mlp_bias))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, fused=fused)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act or "silu", bias=lm.flag(lm.mlp_bias),
+                            fused=fused)
 
     def forward(self, positions, hidden, residual, meta, kv_cache, rotary):
         if residual is None:
@@ -83,7 +92,7 @@ class DecoderModel(nn.Module):
         cfg = lm.cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(lm, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, fused=lm.fused_kernels)
         self.rotary_emb = lm._rotary()
 
 
@@ -96,8 +105,8 @@ class LlamaForCausalLM(CausalLM):
     qk_norm: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig, *, selector: AttentionSelector, dtype: torch.dtype | None = None,
-                 page_size: int = 16):
-        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size)
+                 page_size: int = 16, fused_kernels: bool = False):
+        super().__init__(cfg, selector=selector, dtype=dtype, page_size=page_size, fused_kernels=fused_kernels)
         self.model = DecoderModel(self)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:

@@ -1,0 +1,89 @@
+"""RoPE of q and k, and the write of k and v into the paged KV pool, in one kernel.
+
+Numerics of `modalmesh.layers.rotary.RotaryEmbedding` (neox layout, float32
+rotation, rounded to the activation dtype) followed by
+`modalmesh.attention.paged.store_kv` (k and v cast to the pool's dtype, written
+at each token's slot). One program per token: it reads the token's position and
+slot, rotates every q head into a fresh contiguous q and every k head straight
+into the pool. The attention kernels then read k and v from the pool only.
+Full-width rotary on 1-D positions only (Llama, Qwen2, Qwen3); M-RoPE and
+partial rotary keep the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from modalmesh.kernels import block
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_and_store(Q, K, V, Positions, Slots, CosSin, QOut, KCache, VCache,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                       HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        pos = tl.load(Positions + t)
+        slot = tl.load(Slots + t)
+        d = tl.arange(0, HALF_PAD)
+        dmask = d < HALF
+        cos = tl.load(CosSin + pos * stride_cs + d, mask=dmask, other=0.0)[None, :]
+        sin = tl.load(CosSin + pos * stride_cs + HALF + d, mask=dmask, other=0.0)[None, :]
+
+        hq = tl.arange(0, HQ_PAD)[:, None]
+        qmask = (hq < HQ) & dmask[None, :]
+        q1 = tl.load(Q + t * stride_qt + hq * stride_qh + d[None, :], mask=qmask, other=0.0)
+        q2 = tl.load(Q + t * stride_qt + hq * stride_qh + HALF + d[None, :], mask=qmask, other=0.0)
+        a, b = q1.to(tl.float32), q2.to(tl.float32)
+        out = QOut + t * (HQ * 2 * HALF) + hq * (2 * HALF) + d[None, :]
+        tl.store(out, (a * cos - b * sin).to(q1.dtype), mask=qmask)
+        tl.store(out + HALF, (b * cos + a * sin).to(q1.dtype), mask=qmask)
+
+        hk = tl.arange(0, HK_PAD)[:, None]
+        kmask = (hk < HK) & dmask[None, :]
+        k1 = tl.load(K + t * stride_kt + hk * stride_kh + d[None, :], mask=kmask, other=0.0)
+        k2 = tl.load(K + t * stride_kt + hk * stride_kh + HALF + d[None, :], mask=kmask, other=0.0)
+        a, b = k1.to(tl.float32), k2.to(tl.float32)
+        row = KCache + slot * (HK * 2 * HALF) + hk * (2 * HALF) + d[None, :]
+        dtype = KCache.dtype.element_ty
+        tl.store(row, (a * cos - b * sin).to(k1.dtype).to(dtype), mask=kmask)
+        tl.store(row + HALF, (b * cos + a * sin).to(k1.dtype).to(dtype), mask=kmask)
+
+        dv = tl.arange(0, DV_PAD)[None, :]
+        vmask = (hk < HK) & (dv < DV)
+        v = tl.load(V + t * stride_vt + hk * stride_vh + dv, mask=vmask, other=0.0)
+        tl.store(VCache + slot * (HK * DV) + hk * DV + dv, v.to(VCache.dtype.element_ty), mask=vmask)
+
+    return rope_and_store
+
+
+def fusable(positions: torch.Tensor, q: torch.Tensor, rotary_dim: int, mrope: bool) -> bool:
+    return not mrope and positions.dim() == 1 and rotary_dim == q.shape[-1] and q.stride(-1) == 1
+
+
+def rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotated q (T, Hq, D), contiguous; rotated k and v written into their slots of the pool.
+
+    `cos_sin` is the rotary table (L, D): cos | sin of each position, float32, covering every position."""
+    tokens, hq, dim = q.shape
+    hk, dv = k.shape[1], v.shape[2]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_and_store wants unit-stride heads and contiguous caches")
+    q_out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        half = dim // 2
+        _kernel()[(tokens,)](
+            q, k, v, positions, slot_mapping, cos_sin, q_out, k_cache, v_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            HQ=hq, HK=hk, HQ_PAD=block(hq), HK_PAD=block(hk), HALF=half, HALF_PAD=block(half), DV=dv,
+            DV_PAD=block(dv), num_warps=4)
+    return q_out

@@ -1,0 +1,187 @@
+"""The fused Triton kernels (modalmesh.kernels) equal the unfused PyTorch path they replace.
+
+Each kernel is checked through the layer that calls it, against the same layer
+built without it: RMSNorm (with and without the residual add), GatedMLP's
+SiLU * up, and RoPE + the paged KV write (the rotated q, and every slot of the
+pool afterwards). float32 must agree to float32 rounding; bfloat16 to one
+rounding of the activation dtype.
+
+They run on CUDA (the device machine). Without a GPU they run only under
+Triton's interpreter (``TRITON_INTERPRET=1`` with Triton installed), which is
+how they are debugged on a CPU host; CI has neither and skips them.
+"""
+
+import os
+
+import pytest
+import torch
+
+from modalmesh import kernels
+from modalmesh.attention.paged import store_kv
+from modalmesh.layers import GatedMLP, RMSNorm
+from modalmesh.layers.rotary import RotaryEmbedding
+
+DEVICES = []
+if kernels.triton_importable() and torch.cuda.is_available():
+    DEVICES.append("cuda")
+if kernels.triton_importable() and os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICES.append("cpu")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _exact(device, dtype):
+    """Equal bits: what one float32 -> dtype rounding gives on CUDA. Triton's interpreter truncates
+    float32 -> bfloat16 instead of rounding to nearest, so on the CPU allow that one ulp."""
+    return dict(atol=0, rtol=0) if device == "cuda" or dtype == torch.float32 else TOL[dtype]
+# Without a device the parametrised tests are reported as skipped (empty parameter set).
+
+
+def _pair(make, device, dtype):
+    """The same layer twice, unfused and fused, with equal random weights."""
+    torch.manual_seed(0)
+    ref, fused = make(False), make(True)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+    fused.load_state_dict(ref.state_dict())
+    return ref.to(device, dtype), fused.to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 80, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual):
+    ref, fused = _pair(lambda f: RMSNorm(hidden, 1e-6, fused=f), device, dtype)
+    x = torch.randn(7, hidden, device=device, dtype=dtype) * 3
+    residual = torch.randn_like(x) if with_residual else None
+    with torch.inference_mode():
+        want, got = ref(x, residual), fused(x, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], **_exact(device, dtype))  # the sum, rounded the same way
+        want, got = want[0], got[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_of_heads_in_a_strided_view_falls_back_or_fuses_correctly(device):
+    """Qwen3's per-head q/k norm runs on a (T, H, D) view into the qkv projection's output."""
+    ref, fused = _pair(lambda f: RMSNorm(32, 1e-6, fused=f), device, torch.float32)
+    qkv = torch.randn(5, 6 * 32, device=device)
+    q = qkv[:, :4 * 32].view(5, 4, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(q), ref(q), **TOL[torch.float32])
+        torch.testing.assert_close(fused(q.contiguous()), ref(q), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("intermediate", [48, 1100])
+def test_silu_and_mul_kernel_equals_the_pytorch_path(device, dtype, intermediate):
+    ref, fused = _pair(lambda f: GatedMLP(40, intermediate, "silu", fused=f, tp_rank=0, tp_size=1), device, dtype)
+    assert fused.fused and not ref.fused
+    x = torch.randn(9, 40, device=device, dtype=dtype)
+    with torch.inference_mode():
+        want = ref(x)
+        # down_proj sums rows of the activation: one ulp of a term, relative to the largest output
+        torch.testing.assert_close(fused(x), want, atol=TOL[dtype]["atol"] * float(want.abs().max()), rtol=0)
+        # the activation alone, on the gate|up projection: one rounding of the dtype at most
+        gate_up = fused.gate_up_proj(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        from modalmesh.kernels.activation import silu_and_mul
+        torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, **TOL[dtype])
+
+
+def test_gated_mlp_fuses_only_silu():
+    assert not GatedMLP(8, 16, "gelu_pytorch_tanh", fused=True, tp_rank=0, tp_size=1).fused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+], ids=["default", "llama3", "yarn"])
+@pytest.mark.parametrize("heads", [(4, 2, 32), (28, 4, 128), (6, 1, 64)], ids=["gqa2", "qwen7b", "mqa"])
+def test_rope_and_kv_write_kernel_equals_rotary_then_store(device, dtype, rope, heads):
+    hq, hk, dim = heads
+    tokens, pages, page = 11, 8, 16
+    rotary = RotaryEmbedding(dim, dim, 256, rope).to(device)
+    torch.manual_seed(1)
+    # q, k, v are views into one projection output, as QKVParallelLinear.split gives them
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device=device, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([hq * dim, hk * dim, hk * dim], dim=-1))
+    positions = torch.randint(0, 200, (tokens,), device=device)
+    slots = torch.randperm(pages * page, device=device)[:tokens]
+    caches = {name: [torch.randn(pages, page, hk, dim, device=device, dtype=dtype) for _ in range(2)]
+              for name in ("ref", "fused")}
+    caches["fused"] = [c.clone() for c in caches["ref"]]
+    assert rotary.can_fuse(positions, q)
+    with torch.inference_mode():
+        want_q, want_k = rotary(positions, q, k)
+        store_kv(want_k, v, *caches["ref"], slots)
+        got_q = rotary.rotate_and_store(positions, q, k, v, caches["fused"], slots)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(caches["fused"][0], caches["ref"][0], **TOL[dtype])
+    torch.testing.assert_close(caches["fused"][1], caches["ref"][1], atol=0, rtol=0)  # v is copied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_kernel_is_not_used_for_mrope_or_partial_rotary(device):
+    q = torch.randn(3, 2, 16, device=device)
+    mrope = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0}, mrope_section=(2, 3, 3)).to(device)
+    partial = RotaryEmbedding(16, 8, 64, {"rope_theta": 10000.0}).to(device)
+    positions = torch.arange(3, device=device)
+    assert not mrope.can_fuse(positions.expand(3, -1), q)
+    assert not partial.can_fuse(positions, q)
+
+
+def _logits(path, device, fused, prompt, steps):
+    """Logits of a prefill of `prompt` and `steps` greedy decode steps, over a fresh paged pool."""
+    from modalmesh.attention import PagedMetadata
+    from modalmesh.kv.pool import build_kv_pool
+    from modalmesh.metrics import Metrics
+    from services.llm.loader import load_llm
+
+    model, cfg, _ = load_llm(path, device=torch.device(device), dtype=torch.float32, fused_kernels=fused)
+    pool = build_kv_pool(cfg, device, max_model_len=128, dtype=torch.float32, kv_cache_tokens=256,
+                         metrics=Metrics("llm", process_metrics=False))
+    caches = [pool.layer(i) for i in range(cfg.num_layers)]
+    ids, out = list(prompt), []
+    with torch.inference_mode():
+        new = ids
+        for _ in range(steps + 1):
+            start = len(ids) - len(new)
+            assert pool.allocate("s", len(ids)) if start == 0 else pool.allocator.extend("s", len(new))
+            meta = PagedMetadata.build([len(new)], [len(ids)], pool.block_table(["s"]), pool.page_size)
+            hidden = model(torch.arange(start, len(ids), device=device), meta, caches,
+                           input_ids=torch.tensor(new, device=device))
+            logits = model.compute_logits(hidden[-1:]).cpu()
+            out.append(logits)
+            new = [int(logits.argmax())]
+            ids = ids + new
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_decoder_with_fused_kernels_equals_the_unfused_decoder(device, family, tmp_path, monkeypatch):
+    from modalmesh import tiny
+    from modalmesh.kernels import activation, norm, rotary
+
+    calls = {}
+    for module, name in ((norm, "rms_norm"), (activation, "silu_and_mul"), (rotary, "rope_and_store")):
+        def counted(*args, _fn=getattr(module, name), _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(module, name, counted)
+    path = tiny.ensure(family, tmp_path)
+    prompt = [5, 77, 301, 12, 9, 250, 31, 8, 100]
+    want = _logits(path, device, False, prompt, 4)
+    assert not calls
+    got = _logits(path, device, True, prompt, 4)
+    assert set(calls) == {"rms_norm", "silu_and_mul", "rope_and_store"}, calls  # the fused path did run
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
