@@ -5,6 +5,8 @@ the worker drains it between steps — so new requests join the running batch
 between decode steps — schedules, runs the model, samples, detokenises, checks
 stop conditions and pushes deltas back to each request's asyncio queue.
 Finishing, cancelling or a client going away frees the request's KV pages.
+The worker keeps the device busy: it launches step N before it detokenises and
+emits step N-1 (see `_run`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from modalmesh.metrics import Metrics
 from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
-from services.llm.runner import ModelRunner
+from services.llm.runner import InFlight, ModelRunner, Sampled
 from services.llm.sampling import SamplerRow, SamplingParams
 from services.llm.scheduler import Scheduler, Sequence, SeqStatus
 
@@ -53,8 +55,9 @@ class LLMEngine:
         self._live: dict[str, Sequence[RequestState]] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0
-        # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (forward +
-        # sampling, ends with the one host sync reading tokens), post (detokenise, stop checks, emit).
+        # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (launching the
+        # forward + sampling, and waiting for its tokens), post (stop checks, detokenise, emit; this part
+        # runs while the device computes the next step).
         self.phase_seconds = {"schedule": 0.0, "model": 0.0, "post": 0.0}
 
     # -- life cycle -------------------------------------------------------------------------
@@ -99,15 +102,27 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
 
     # -- worker thread ----------------------------------------------------------------------
+    # One step ahead: while the device computes step N, this thread does step N-1's host work.
+    #
+    #   wait(N-1) -> complete(N-1) -> schedule(N) -> launch(N) -> emit(N-1) -> [inbox] -> wait(N) -> ...
+    #
+    # `complete` is what the next schedule must know: tokens appended, and sequences that end on EOS, a
+    # stop token or their length finished (pages freed). `emit` is the rest: detokenising, stop strings,
+    # metrics, deltas. A sequence that a stop string ends in `emit` has one more token in flight; its
+    # result is dropped (`complete` skips finished sequences). Freeing pages while a step that writes
+    # them is in flight is safe: any later step that reuses them runs after it on the same stream.
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        inflight: InFlight | None = None
         while True:
-            block = not self.scheduler.has_work()
+            block = inflight is None and not self.scheduler.has_work()
             try:
                 while True:
                     kind, value = self._inbox.get(block=block)
                     block = False
                     if kind == "stop":
+                        if inflight is not None:
+                            self._wait(inflight)  # the device is done with its pages before they go
                         self._abort_all("the LLM service is shutting down")
                         return
                     if kind == "add":
@@ -122,36 +137,83 @@ class LLMEngine:
                             self.pool.publish()  # the pool gauge drops now, not at the next step
             except queue.Empty:
                 pass
+            done = None
+            if inflight is not None:
+                done = self._complete(inflight)
+                inflight = None
             if self.scheduler.has_work():
-                self._step()
+                inflight = self._launch()
+            if done:
+                self._emit(*done)
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
 
-    def _step(self) -> None:
+    def _launch(self) -> InFlight | None:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
+        self.phase_seconds["schedule"] += t1 - t0
         if not step.chunks:  # cannot happen while max_model_len fits the pool; never spin on it
             self._fail([self.scheduler.waiting[0]], ResourceExhausted("no KV pages for this request"))
-            return
+            return None
         for seq in step.preempted:
             log.info("preempted %s (KV pool full); it will be recomputed", seq.seq_id)
         try:
-            sampled = self.runner.run(step)
+            inflight = self.runner.submit(step)
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
             log.exception("engine step failed")
             self._fail([c.seq for c in step.chunks], exc)
-            return
+            return None
+        self.phase_seconds["model"] += time.perf_counter() - t1
+        return inflight
+
+    def _wait(self, inflight: InFlight) -> list[Sampled] | None:
+        t0 = time.perf_counter()
+        try:
+            sampled = inflight.wait()
+        except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+            log.exception("engine step failed")
+            self._fail([c.seq for c in inflight.step.chunks], exc)
+            return None
+        self.phase_seconds["model"] += time.perf_counter() - t0
+        return sampled
+
+    def _complete(self, inflight: InFlight) -> tuple[list[tuple[Sampled, str | None]], float] | None:
+        """What the next schedule must know of a finished step: tokens appended, sequences ended."""
+        sampled = self._wait(inflight)
+        if sampled is None:
+            return None
+        t0 = time.perf_counter()
+        step = inflight.step
         self.steps += 1
-        t2 = time.perf_counter()
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
-        self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in sampled})
-        now = time.perf_counter()
+        live = [s for s in sampled if s.chunk.seq.status is SeqStatus.RUNNING]  # not aborted or stopped since
+        self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in live})
+        ended = []
+        for s in live:
+            seq, token = s.chunk.seq, s.token
+            params = seq.state.params
+            seq.state.sampler.observe(token)  # before the next step samples
+            finish = None
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                finish = "stop"
+            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+            if finish is not None:
+                self._live.pop(seq.seq_id, None)
+                self.scheduler.finish(seq, finish)
+            ended.append((s, finish))
+        self.phase_seconds["post"] += time.perf_counter() - t0
+        return ended, time.perf_counter()
+
+    def _emit(self, ended: list[tuple[Sampled, str | None]], now: float) -> None:
+        """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
+        t0 = time.perf_counter()
         batched: dict[asyncio.AbstractEventLoop, list] = {}
-        for s in sampled:
+        for s, finish in ended:
             state = s.chunk.seq.state
-            delta = self._on_token(s.chunk.seq, s.token, s.logprob, now)
+            delta = self._on_token(s.chunk.seq, s.token, s.logprob, finish, now)
             if isinstance(state.emit, ThreadSafeEmitter):
                 batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
             else:
@@ -159,12 +221,10 @@ class LLMEngine:
         for loop, pairs in batched.items():
             ThreadSafeEmitter.deliver(loop, pairs)
         self.pool.publish()
-        phases = self.phase_seconds
-        phases["schedule"] += t1 - t0
-        phases["model"] += t2 - t1
-        phases["post"] += time.perf_counter() - t2
+        self.phase_seconds["post"] += time.perf_counter() - t0
 
-    def _on_token(self, seq: Sequence[RequestState], token: int, logprob: float, now: float) -> Delta:
+    def _on_token(self, seq: Sequence[RequestState], token: int, logprob: float, finish: str | None,
+                  now: float) -> Delta:
         state = seq.state
         params = state.params
         if state.last_token_at is None:
@@ -173,22 +233,19 @@ class LLMEngine:
             self.metrics.time_per_output_token_seconds.observe(now - state.last_token_at)
         state.last_token_at = now
         self.metrics.generation_tokens_total.inc()
-        state.sampler.observe(token)
-        finish = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            finish = "stop"
+        if finish == "stop":  # EOS or a stop token: not part of the text
             text = state.detokenizer.finish()
         else:
             text = state.detokenizer.add(token)
-            if state.detokenizer.stopped:
-                finish = "stop"
-            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
+            if state.detokenizer.stopped:  # a stop string: ends the sequence, whatever `complete` said
+                if finish is None:
+                    self._live.pop(seq.seq_id, None)
+                    self.scheduler.finish(seq, "stop")
+                finish = seq.finish_reason = "stop"
+            elif finish == "length":
                 text += state.detokenizer.finish()
         delta = Delta([token], text, [logprob] if params.logprobs else [])
         if finish is not None:
-            self._live.pop(seq.seq_id, None)
-            self.scheduler.finish(seq, finish)
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
             delta.completion_tokens = len(seq.output_ids)

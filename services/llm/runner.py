@@ -8,6 +8,11 @@ graphs. Then (nano-vllm's `call` / `loop`):
     rank 0:      sampled = runner.run(step)   # prepare -> call: publish the inputs, execute locally -> sample
     ranks >= 1:  runner.loop()                # receive the inputs, execute, until rank 0 stops the group
 
+`run` is `submit(step).wait()`: `submit` queues the step's work on the device
+(sampling included) and starts one non-blocking copy of the sampled tokens to
+the host; `wait` reads them. The engine does a step's host work (detokenise,
+emit) between the two of the next step, while the device computes.
+
 `execute` is the one forward path of every rank: a decode step that fits a
 captured bucket replays its CUDA graph (all-reduces included), anything else
 runs eagerly; the layers meet in their all-reduces and the LM head's
@@ -47,6 +52,30 @@ class Sampled:
     chunk: Chunk
     token: int
     logprob: float
+
+
+class InFlight:
+    """A launched step: its sampled tokens and logprobs on their way to pinned host memory."""
+
+    def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None):
+        self.step = step
+        self._chunks = chunks
+        self._tokens, self._logprobs, self._ready = tokens, logprobs, None
+        if tokens is not None and tokens.is_cuda:
+            self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+            self._tokens.copy_(tokens, non_blocking=True)
+            self._logprobs.copy_(logprobs, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def wait(self) -> list[Sampled]:
+        """The sampled token of each chunk that ends its sequence (blocks until the device has them)."""
+        if self._tokens is None:
+            return []
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [Sampled(c, t, lp) for c, t, lp in zip(self._chunks, self._tokens.tolist(), self._logprobs.tolist())]
 
 
 @dataclass(frozen=True)
@@ -130,17 +159,21 @@ class ModelRunner:
         return reports
 
     # ---- rank 0 -------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, step: Step) -> list[Sampled]:
         """Rank 0: one scheduled step on every rank; the sampled token of each chunk that ends its sequence."""
+        return self.submit(step).wait()
+
+    @torch.inference_mode()
+    def submit(self, step: Step) -> InFlight:
+        """Rank 0: queue one scheduled step on every rank, sampling included, without waiting for it."""
         inputs = self.prepare(step)
         logits = self.call(inputs)
         sampled = [c for c in step.chunks if c.sample]
         if logits is None:
-            return []
+            return InFlight(step, [], None, None)
         rows: list[SamplerRow] = [c.seq.state.sampler for c in sampled]
         tokens, logprobs = sample(logits, rows)
-        return [Sampled(c, t, lp) for c, t, lp in zip(sampled, tokens.tolist(), logprobs.tolist())]
+        return InFlight(step, sampled, tokens, logprobs)
 
     def call(self, inputs: StepInputs) -> torch.Tensor | None:
         """Rank 0: hand `inputs` to every rank, then run them here."""

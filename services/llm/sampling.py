@@ -127,12 +127,18 @@ class SamplerRow:
             generator.manual_seed(params.seed)
         seen = None
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+            seen = _on(device, prompt_ids, torch.long)
         return cls(params, generator, seen)
 
     def observe(self, token: int) -> None:
         if self.seen is not None:
-            self.seen = torch.cat((self.seen, self.seen.new_tensor([token])))
+            self.seen = torch.cat((self.seen, _on(self.seen.device, [token], torch.long)))
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (`torch.tensor(..., device=)` would
+    synchronise the stream: the engine launches the next step before the current one has finished)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -173,13 +179,14 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, 
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
+        device = logits.device
+        idx = _on(device, sampled, torch.long)
         sub = processed[idx]
-        temperature = torch.tensor([rows[i].params.temperature for i in sampled], device=logits.device)
+        temperature = _on(device, [rows[i].params.temperature for i in sampled], torch.float32)
         sub = sub / temperature.unsqueeze(1)
-        top_k = torch.tensor([rows[i].params.top_k for i in sampled], device=logits.device)
-        top_p = torch.tensor([rows[i].params.top_p for i in sampled], device=logits.device)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        if any(rows[i].params.top_k > 0 or rows[i].params.top_p < 1 for i in sampled):
+            top_k = _on(device, [rows[i].params.top_k for i in sampled], torch.long)
+            top_p = _on(device, [rows[i].params.top_p for i in sampled], torch.float32)
             sub = _top_k_top_p(sub, top_k, top_p)
         probs = sub.softmax(dim=-1)
         # Exponential race == multinomial draw; per-row generators keep seeded rows independent.

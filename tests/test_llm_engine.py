@@ -1,0 +1,137 @@
+"""The engine's one-step-ahead loop, over a scripted runner (no model): the order of the host work,
+and what happens to a sequence whose token is still in flight when it ends.
+
+`LLMEngine._run` launches step N before it detokenises and emits step N-1. The
+scripted runner plays the model: each sequence's tokens come from a script, and
+every call (submit, wait) is logged next to the deltas the engine emits, so the
+tests read the order straight off the log.
+"""
+
+import queue
+import types
+
+import pytest
+
+from modalmesh import tiny
+from modalmesh.kv.allocator import PageAllocator
+from modalmesh.metrics import Metrics
+from services.llm.engine import LLMEngine
+from services.llm.inputs import PreparedPrompt
+from services.llm.runner import Sampled
+from services.llm.sampling import SamplingParams
+from services.llm.scheduler import Step
+
+
+class ScriptedRunner:
+    def __init__(self, scripts: dict[str, list[int]], log: list):
+        self.config = types.SimpleNamespace(max_model_len=256, max_queue=16, max_num_seqs=8, max_batch_tokens=64,
+                                            max_prefill_chunk=None)
+        allocator = PageAllocator(64, page_size=4)
+        self.pool = types.SimpleNamespace(allocator=allocator, publish=lambda: None)
+        self.model_config = types.SimpleNamespace(vocab_size=400)
+        self.device = "cpu"
+        self.scripts, self.log, self.steps = scripts, log, 0
+        self.in_flight: dict[str, int] = {}  # request -> steps it was part of
+
+    def submit(self, step: Step):
+        n, self.steps = self.steps, self.steps + 1
+        names = sorted(c.seq.seq_id for c in step.chunks)
+        for name in names:
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+        self.log.append(("submit", n, tuple(names)))
+        sampled = [Sampled(c, self.scripts[c.seq.seq_id][len(c.seq.output_ids)], 0.0) for c in step.chunks if c.sample]
+        log = self.log
+
+        class Handle:
+            def __init__(self):
+                self.step = step
+
+            def wait(self):
+                log.append(("wait", n))
+                return sampled
+
+        return Handle()
+
+    def run(self, step: Step):  # the engine before one-step-ahead called this
+        return self.submit(step).wait()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny.build_tokenizer(["<|endoftext|>"], eos="<|endoftext|>")
+
+
+def _engine(tokenizer, scripts, log):
+    runner = ScriptedRunner(scripts, log)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    return LLMEngine(runner, tokenizer, eos_token_ids=(eos,), metrics=Metrics("llm", process_metrics=False)), runner
+
+
+def _run(engine, log, requests):
+    outs = {}
+    for name, (prompt, params) in requests.items():
+        outs[name] = queue.Queue()
+        engine.add(name, PreparedPrompt(prompt), params,
+                   lambda d, name=name: (log.append(("emit", name, tuple(d.token_ids), d.finish_reason)),
+                                         outs[name].put(d)))
+    engine.start()
+    try:
+        deltas = {}
+        for name, out in outs.items():
+            deltas[name] = []
+            while True:
+                d = out.get(timeout=30)
+                assert d.error is None, d.error
+                deltas[name].append(d)
+                if d.finish_reason:
+                    break
+    finally:
+        engine.stop()
+    return deltas
+
+
+def test_step_n_is_launched_before_step_n_minus_1_is_emitted(tokenizer):
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script}, log)
+    deltas = _run(engine, log, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))})
+    assert [t for d in deltas["a"] for t in d.token_ids] == script[:6]
+    assert deltas["a"][-1].finish_reason == "length"
+    # every emit of step k's token comes after step k+1 was submitted (while it still had work)
+    order = [e for e in log if e[0] in ("submit", "emit")]
+    emitted = [i for i, e in enumerate(order) if e[0] == "emit"]
+    for k, i in enumerate(emitted[:-1]):
+        assert order[i - 1] == ("submit", k + 1, ("a",)), order
+    assert runner.in_flight["a"] == 6  # the length is known before the next schedule: no wasted step
+    assert engine.pool.allocator.used_tokens == 0
+
+
+def test_a_stop_string_ends_the_stream_and_drops_the_token_in_flight(tokenizer):
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script, "b": script}, log)
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop=("brown",))
+    deltas = _run(engine, log, {"a": ([5, 6, 7], params), "b": ([8, 9], SamplingParams(temperature=0.0,
+                                                                                        max_tokens=8))})
+    text = "".join(d.text for d in deltas["a"])
+    assert text == " the quick ", text
+    assert deltas["a"][-1].finish_reason == "stop"
+    stop_at = len([t for d in deltas["a"] for t in d.token_ids])
+    # the stop string is seen while the next step is already running: one more token was computed
+    # for "a", and it was never emitted
+    assert runner.in_flight["a"] == stop_at + 1
+    assert [e for e in log if e[0] == "emit" and e[1] == "a"][-1][3] == "stop"
+    assert [t for d in deltas["b"] for t in d.token_ids] == script[:8]  # its neighbour is unaffected
+    assert engine.pool.allocator.used_tokens == 0
+
+
+def test_eos_ends_the_sequence_before_the_next_schedule(tokenizer):
+    log: list = []
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = tokenizer.encode(" a picture") + [eos, 11, 12, 13]
+    engine, runner = _engine(tokenizer, {"a": script}, log)
+    deltas = _run(engine, log, {"a": ([5], SamplingParams(temperature=0.0, max_tokens=10))})
+    tokens = [t for d in deltas["a"] for t in d.token_ids]
+    assert tokens == script[:script.index(eos) + 1] and deltas["a"][-1].finish_reason == "stop"
+    assert runner.in_flight["a"] == len(tokens)  # no step past the EOS
+    assert engine.pool.allocator.used_tokens == 0
