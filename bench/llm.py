@@ -114,6 +114,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also trace 16 decode steps per batch: GPU busy time per step and the top kernels")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs); the HF column needs 1")
+    parser.add_argument("--no-fused-kernels", action="store_true", help="the layers' unfused PyTorch path (A/B)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -134,7 +135,8 @@ def main() -> int:
     kv_tokens = max(batches) * max_len + 4096 if device.type == "cpu" else None
     config = LLMConfig(model_dir=ckpt, device_type=device.type, dtype=dtype, dummy_weights=True,
                        max_model_len=max(max_len, 2048 + 8), kv_cache_tokens=kv_tokens, mem_fraction=0.5,
-                       max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8), tensor_parallel_size=args.tp)
+                       max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8), tensor_parallel_size=args.tp,
+                       fused_kernels=not args.no_fused_kernels)
     metrics = Metrics("llm", process_metrics=False)
     runner = ModelRunner.launch(config, metrics)
     model, pool = runner.model, runner.pool
@@ -177,7 +179,7 @@ def main() -> int:
             except torch.OutOfMemoryError:
                 hf[b] = float("nan")
                 torch.cuda.empty_cache()
-    print(f"\nTP={args.tp}")
+    print(f"\nTP={args.tp}  fused kernels: {'no' if args.no_fused_kernels else 'yes'}")
     print(f"{'batch':>6} {'ours tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'ours TTFT ms':>13}")
     for b in batches:
         tps, ttft = ours[b]
@@ -188,7 +190,7 @@ def main() -> int:
     for b in batches:
         print(f"   batch {b:>4}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[b].items()))
     print(f"TTFT of a 2048-token prompt, idle engine: {ttft_2k * 1e3:.1f} ms")
-    print("RESULT " + json.dumps({"tp": args.tp, "tok_s": {b: round(ours[b][0], 1) for b in batches},
+    print("RESULT " + json.dumps({"tp": args.tp, "fused": not args.no_fused_kernels, "tok_s": {b: round(ours[b][0], 1) for b in batches},
                                   "hf_tok_s": {b: round(hf[b], 1) for b in hf}, "limit_b1": round(limit) if limit == limit else None,
                                   "step_ms": {b: round(sum(phases[b].values()), 2) for b in batches}}))
     return 0

@@ -4,6 +4,7 @@
 #
 #   carry: .whl modalmesh/v1        kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
 #   bash scripts/device.sh cuda-tests llm-tp2 serve-tp2 tp1-pair
+#   bash scripts/device.sh tests-pair fused-ab llm-tp2      # issue 17's first check of the fused kernels
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -34,6 +35,17 @@ step() {  # step NAME TIMEOUT COMMAND...
 for name in "$@"; do
     case $name in
         cuda-tests) step cuda-tests 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py ;;
+        tests-pair)  # the fused kernels against the unfused path on GPU 0, the LLM's CUDA tests on GPU 1
+            step kernel-tests 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_kernels.py &
+            step cuda-tests 300 env CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_llm_cuda.py -k "not tensor_parallel" &
+            wait ;;
+        fused-ab)  # the same decode bench with and without the fused kernels, one per GPU, no HF column
+            step llm-fused 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 --no-hf &
+            step llm-unfused 240 env CUDA_VISIBLE_DEVICES=1 python3 bench/llm.py --batches 1,32,256 --no-hf \
+                --no-fused-kernels &
+            wait ;;
         cuda-tp-tests) step cuda-tp-tests 360 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py \
                 -k tensor_parallel ;;
         allreduce)
