@@ -11,15 +11,16 @@ import queue
 import types
 
 import pytest
+import torch
 
 from modalmesh import tiny
 from modalmesh.kv.allocator import PageAllocator
 from modalmesh.metrics import Metrics
 from services.llm.engine import LLMEngine
 from services.llm.inputs import PreparedPrompt
-from services.llm.runner import Sampled
+from services.llm.runner import InFlight
 from services.llm.sampling import SamplingParams
-from services.llm.scheduler import Step
+from services.llm.scheduler import PENDING, Step
 
 
 class ScriptedRunner:
@@ -33,28 +34,25 @@ class ScriptedRunner:
         self.scripts, self.log, self.steps = scripts, log, 0
         self.in_flight: dict[str, int] = {}  # request -> steps it was part of
 
-    def submit(self, step: Step):
+    def submit(self, step: Step, previous=None):
         n, self.steps = self.steps, self.steps + 1
         names = sorted(c.seq.seq_id for c in step.chunks)
         for name in names:
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
         self.log.append(("submit", n, tuple(names)))
-        sampled = [Sampled(c, self.scripts[c.seq.seq_id][len(c.seq.output_ids)], 0.0) for c in step.chunks if c.sample]
+        for c in step.chunks:  # a token not read back yet must come from the step before, which sampled it
+            if c.seq.output_ids and c.seq.output_ids[-1] == PENDING:
+                assert previous is not None and c.seq.seq_id in previous.rows, (n, c.seq.seq_id)
+        chunks = [c for c in step.chunks if c.sample]
+        tokens = torch.tensor([self.scripts[c.seq.seq_id][len(c.seq.output_ids)] for c in chunks], dtype=torch.long)
         log = self.log
 
-        class Handle:
-            def __init__(self):
-                self.step = step
-
+        class Logged(InFlight):
             def wait(self):
                 log.append(("wait", n))
-                return sampled
+                return super().wait()
 
-        return Handle()
-
-    def run(self, step: Step):  # the engine before one-step-ahead called this
-        return self.submit(step).wait()
-
+        return Logged(step, chunks, tokens, torch.zeros(len(chunks)))
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -90,19 +88,20 @@ def _run(engine, log, requests):
     return deltas
 
 
-def test_step_n_is_launched_before_step_n_minus_1_is_emitted(tokenizer):
+def test_step_n_plus_1_is_submitted_before_step_n_is_read_back(tokenizer):
     log: list = []
     script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
     engine, runner = _engine(tokenizer, {"a": script}, log)
     deltas = _run(engine, log, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6))})
     assert [t for d in deltas["a"] for t in d.token_ids] == script[:6]
     assert deltas["a"][-1].finish_reason == "length"
-    # every emit of step k's token comes after step k+1 was submitted (while it still had work)
-    order = [e for e in log if e[0] in ("submit", "emit")]
-    emitted = [i for i, e in enumerate(order) if e[0] == "emit"]
-    for k, i in enumerate(emitted[:-1]):
-        assert order[i - 1] == ("submit", k + 1, ("a",)), order
-    assert runner.in_flight["a"] == 6  # the length is known before the next schedule: no wasted step
+    # while there is a next step, it is submitted before the step before it is waited for and emitted
+    order = [e[:2] for e in log if e[0] in ("submit", "wait", "emit")]
+    for k in range(5):
+        assert order.index(("submit", k + 1)) < order.index(("wait", k)), order
+    emits = [i for i, e in enumerate(order) if e[0] == "emit"]
+    assert all(order[i - 1][0] == "wait" for i in emits)  # each emit right after its own read-back
+    assert runner.in_flight["a"] == 6  # the length is known when the step is submitted: no wasted step
     assert engine.pool.allocator.used_tokens == 0
 
 
@@ -117,8 +116,8 @@ def test_a_stop_string_ends_the_stream_and_drops_the_token_in_flight(tokenizer):
     assert text == " the quick ", text
     assert deltas["a"][-1].finish_reason == "stop"
     stop_at = len([t for d in deltas["a"] for t in d.token_ids])
-    # the stop string is seen while the next step is already running: one more token was computed
-    # for "a", and it was never emitted
+    # the stop string is seen once the token is read back, while the next step runs: one more token was
+    # computed for "a", and it was never emitted
     assert runner.in_flight["a"] == stop_at + 1
     assert [e for e in log if e[0] == "emit" and e[1] == "a"][-1][3] == "stop"
     assert [t for d in deltas["b"] for t in d.token_ids] == script[:8]  # its neighbour is unaffected
@@ -133,5 +132,60 @@ def test_eos_ends_the_sequence_before_the_next_schedule(tokenizer):
     deltas = _run(engine, log, {"a": ([5], SamplingParams(temperature=0.0, max_tokens=10))})
     tokens = [t for d in deltas["a"] for t in d.token_ids]
     assert tokens == script[:script.index(eos) + 1] and deltas["a"][-1].finish_reason == "stop"
-    assert runner.in_flight["a"] == len(tokens)  # no step past the EOS
+    # EOS is known only once read back: the step after it is already running, and its token is dropped
+    assert runner.in_flight["a"] == len(tokens) + 1
+    assert engine.pool.allocator.used_tokens == 0
+
+
+def test_eos_just_before_the_length_ends_with_stop(tokenizer):
+    """The last step (the length) is submitted before the EOS one before it is read back: EOS still wins."""
+    log: list = []
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = tokenizer.encode(" a picture")[:2] + [eos, 11]
+    engine, runner = _engine(tokenizer, {"a": script}, log)
+    deltas = _run(engine, log, {"a": ([5], SamplingParams(temperature=0.0, max_tokens=4))})
+    assert [t for d in deltas["a"] for t in d.token_ids] == script[:3]
+    assert deltas["a"][-1].finish_reason == "stop" and deltas["a"][-1].completion_tokens == 3
+    assert runner.in_flight["a"] == 4
+    assert engine.pool.allocator.used_tokens == 0
+
+
+def test_a_sampler_that_needs_the_token_on_the_host_is_waited_for(tokenizer):
+    """The repetition penalty reads the tokens seen so far: the next step is scheduled only once they are."""
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script}, log)
+    params = SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.3)
+    deltas = _run(engine, log, {"a": ([5, 6, 7], params)})
+    assert [t for d in deltas["a"] for t in d.token_ids] == script[:5]
+    order = [e[:2] for e in log if e[0] in ("submit", "wait")]
+    assert order == [x for k in range(5) for x in (("submit", k), ("wait", k))], order
+
+
+def test_an_abort_with_a_step_in_flight_drops_its_token_and_frees_its_pages(tokenizer):
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script, "b": script}, log)
+    outs = {"a": queue.Queue(), "b": queue.Queue()}
+    for name in outs:
+        engine.add(name, PreparedPrompt([5, 6]), SamplingParams(temperature=0.0, max_tokens=9),
+                   lambda d, name=name: outs[name].put(d))
+    engine.start()
+    try:
+        first = outs["a"].get(timeout=30)
+        assert first.token_ids and first.error is None
+        engine.abort("a")
+        got_b = []
+        while True:
+            d = outs["b"].get(timeout=30)
+            got_b += d.token_ids
+            if d.finish_reason:
+                break
+    finally:
+        engine.stop()
+    assert got_b == script[:9]
+    rest = []
+    while not outs["a"].empty():
+        rest.append(outs["a"].get())
+    assert all(not d.finish_reason for d in rest)  # an aborted request gets no more deltas, no finish
     assert engine.pool.allocator.used_tokens == 0

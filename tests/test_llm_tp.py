@@ -162,6 +162,10 @@ def _steps():
                    query_lens=(1, 1, 1, 1), context_lens=(4, 10, 0, 0),
                    block_table=torch.tensor([[5], [6], [0], [0]]), sample_rows=torch.arange(2),
                    slot_mapping=torch.tensor([83, 105, 16, 16]), graph_batch=4),
+        # ids not known on the host yet: rows 0 and 2 of the previous step's 3 sampled tokens
+        StepInputs(input_ids=torch.tensor([-1, 8, -1]), positions=torch.tensor([3, 9, 4]),
+                   query_lens=(1, 1, 1), context_lens=(4, 10, 5), block_table=torch.tensor([[5], [6], [7]]),
+                   sample_rows=torch.arange(3), carry=torch.tensor([0, -1, 2]), previous_samples=3),
     ]
 
 
@@ -185,6 +189,23 @@ def _exchange(rank, world_size):
 
 def test_step_inputs_reach_every_rank_whole_in_one_message_or_two():
     distributed.launch(2, _exchange, backend="gloo")
+
+
+def _carry(rank, world_size):
+    """Step N's sampled tokens reach every rank from rank 0's device tensor, in place of the placeholders."""
+    channel = StepChannel(torch.device("cpu"), world_size)
+    step = _steps()[-1]
+    got = channel.publish(step) if rank == 0 else channel.receive()
+    previous = channel.share_tokens(torch.tensor([71, 72, 73]) if rank == 0 else None, got.previous_samples)
+    assert got.with_carried_ids(previous).input_ids.tolist() == [71, 8, 73]
+    if rank == 0:
+        channel.publish_stop()
+    else:
+        assert channel.receive() is None
+
+
+def test_tokens_not_yet_on_the_host_are_carried_into_the_next_step_on_every_rank():
+    distributed.launch(2, _carry, backend="gloo")
 
 
 def test_step_inputs_round_trip_at_tp1():

@@ -5,8 +5,8 @@ the worker drains it between steps — so new requests join the running batch
 between decode steps — schedules, runs the model, samples, detokenises, checks
 stop conditions and pushes deltas back to each request's asyncio queue.
 Finishing, cancelling or a client going away frees the request's KV pages.
-The worker keeps the device busy: it launches step N before it detokenises and
-emits step N-1 (see `_run`).
+The worker keeps the device busy: it submits step N+1 before it reads step N's
+tokens back, detokenises and emits them (see `_run`).
 """
 
 from __future__ import annotations
@@ -102,15 +102,18 @@ class LLMEngine:
         self._inbox.put(("abort", request_id))
 
     # -- worker thread ----------------------------------------------------------------------
-    # One step ahead: while the device computes step N, this thread does step N-1's host work.
+    # Step N+1 is scheduled and submitted before step N's tokens are read back, so the device never
+    # waits for the host between steps:
     #
-    #   wait(N-1) -> complete(N-1) -> schedule(N) -> launch(N) -> emit(N-1) -> [inbox] -> wait(N) -> ...
+    #   schedule(N+1) -> submit(N+1) -> advance(N+1) -> wait(N) -> complete(N) -> emit(N) -> [inbox] -> ...
     #
-    # `complete` is what the next schedule must know: tokens appended, and sequences that end on EOS, a
-    # stop token or their length finished (pages freed). `emit` is the rest: detokenising, stop strings,
-    # metrics, deltas. A sequence that a stop string ends in `emit` has one more token in flight; its
-    # result is dropped (`complete` skips finished sequences). Freeing pages while a step that writes
-    # them is in flight is safe: any later step that reuses them runs after it on the same stream.
+    # `advance` gives each sampled sequence a PENDING token (the device feeds the real one into the next
+    # step) and ends the sequences that reach their length with it. `complete` writes the tokens in and
+    # ends sequences on EOS or a stop token; `emit` detokenises (stop strings) and sends the deltas. A
+    # sequence that ends in `complete` or `emit` has one more step in flight: that result is dropped.
+    # Freeing its pages meanwhile is safe: a later step that reuses them runs after it on the same stream.
+    # A step whose sampler needs the tokens on the host first (repetition penalty) is waited for before
+    # the next is scheduled.
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         inflight: InFlight | None = None
@@ -137,32 +140,42 @@ class LLMEngine:
                             self.pool.publish()  # the pool gauge drops now, not at the next step
             except queue.Empty:
                 pass
-            done = None
+            launched = None
+            if self.scheduler.has_work() and (inflight is None or inflight.feeds_next):
+                launched = self._launch(inflight)
             if inflight is not None:
                 done = self._complete(inflight)
-                inflight = None
-            if self.scheduler.has_work():
-                inflight = self._launch()
-            if done:
-                self._emit(*done)
+                if done is not None:
+                    self._emit(*done)
+            inflight = launched
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
 
-    def _launch(self) -> InFlight | None:
+    def _launch(self, previous: InFlight | None) -> InFlight | None:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.phase_seconds["schedule"] += t1 - t0
-        if not step.chunks:  # cannot happen while max_model_len fits the pool; never spin on it
+        if not step.chunks:
+            if previous is not None:  # pages free up as the step in flight completes
+                return None
+            # cannot happen while max_model_len fits the pool; never spin on it
             self._fail([self.scheduler.waiting[0]], ResourceExhausted("no KV pages for this request"))
             return None
         for seq in step.preempted:
             log.info("preempted %s (KV pool full); it will be recomputed", seq.seq_id)
         try:
-            inflight = self.runner.submit(step)
+            inflight = self.runner.submit(step, previous)
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
             log.exception("engine step failed")
             self._fail([c.seq for c in step.chunks], exc)
             return None
+        inflight.pending = self.scheduler.advance(step)
+        for seq_id in inflight.pending:
+            seq = self._live.get(seq_id)
+            if seq is not None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+                inflight.ending[seq_id] = "length"
+                self._live.pop(seq_id, None)
+                self.scheduler.finish(seq, "length")
         self.phase_seconds["model"] += time.perf_counter() - t1
         return inflight
 
@@ -177,8 +190,16 @@ class LLMEngine:
         self.phase_seconds["model"] += time.perf_counter() - t0
         return sampled
 
-    def _complete(self, inflight: InFlight) -> tuple[list[tuple[Sampled, str | None]], float] | None:
-        """What the next schedule must know of a finished step: tokens appended, sequences ended."""
+    def _stop(self, seq: Sequence[RequestState], index: int) -> str:
+        """End `seq` with its output `index` (EOS, stop token, stop string): later pending tokens go."""
+        self._live.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, "stop")
+        seq.finish_reason = "stop"  # also over "length": the last step was submitted before this token was read
+        del seq.output_ids[index + 1:]
+        return "stop"
+
+    def _complete(self, inflight: InFlight) -> tuple[list[tuple[Sampled, int, str | None]], float] | None:
+        """A step's tokens read back and written in; sequences that end on them ended."""
         sampled = self._wait(inflight)
         if sampled is None:
             return None
@@ -188,32 +209,29 @@ class LLMEngine:
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
-        live = [s for s in sampled if s.chunk.seq.status is SeqStatus.RUNNING]  # not aborted or stopped since
-        self.scheduler.complete(step, {s.chunk.seq.seq_id: s.token for s in live})
         ended = []
-        for s in live:
+        for s in sampled:
             seq, token = s.chunk.seq, s.token
+            finish = inflight.ending.get(seq.seq_id)
+            index = inflight.pending.get(seq.seq_id)
+            if index is None or (seq.status is SeqStatus.FINISHED and seq.finish_reason != "length"):
+                continue  # aborted, failed or stopped since the step was scheduled: its token is dropped
+            self.scheduler.fill(seq, index, token)
             params = seq.state.params
-            seq.state.sampler.observe(token)  # before the next step samples
-            finish = None
+            seq.state.sampler.observe(token)
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                finish = "stop"
-            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
-            if finish is not None:
-                self._live.pop(seq.seq_id, None)
-                self.scheduler.finish(seq, finish)
-            ended.append((s, finish))
+                finish = self._stop(seq, index)
+            ended.append((s, index, finish))
         self.phase_seconds["post"] += time.perf_counter() - t0
         return ended, time.perf_counter()
 
-    def _emit(self, ended: list[tuple[Sampled, str | None]], now: float) -> None:
+    def _emit(self, ended: list[tuple[Sampled, int, str | None]], now: float) -> None:
         """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
         t0 = time.perf_counter()
         batched: dict[asyncio.AbstractEventLoop, list] = {}
-        for s, finish in ended:
+        for s, index, finish in ended:
             state = s.chunk.seq.state
-            delta = self._on_token(s.chunk.seq, s.token, s.logprob, finish, now)
+            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now)
             if isinstance(state.emit, ThreadSafeEmitter):
                 batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
             else:
@@ -223,7 +241,7 @@ class LLMEngine:
         self.pool.publish()
         self.phase_seconds["post"] += time.perf_counter() - t0
 
-    def _on_token(self, seq: Sequence[RequestState], token: int, logprob: float, finish: str | None,
+    def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob: float, finish: str | None,
                   now: float) -> Delta:
         state = seq.state
         params = state.params
@@ -237,11 +255,8 @@ class LLMEngine:
             text = state.detokenizer.finish()
         else:
             text = state.detokenizer.add(token)
-            if state.detokenizer.stopped:  # a stop string: ends the sequence, whatever `complete` said
-                if finish is None:
-                    self._live.pop(seq.seq_id, None)
-                    self.scheduler.finish(seq, "stop")
-                finish = seq.finish_reason = "stop"
+            if state.detokenizer.stopped:  # a stop string: ends the sequence, whatever `advance` said
+                finish = self._stop(seq, index)
             elif finish == "length":
                 text += state.detokenizer.finish()
         delta = Delta([token], text, [logprob] if params.logprobs else [])

@@ -10,8 +10,11 @@ graphs. Then (nano-vllm's `call` / `loop`):
 
 `run` is `submit(step).wait()`: `submit` queues the step's work on the device
 (sampling included) and starts one non-blocking copy of the sampled tokens to
-the host; `wait` reads them. The engine does a step's host work (detokenise,
-emit) between the two of the next step, while the device computes.
+the host; `wait` reads them. The engine submits step N+1 before it waits for
+step N (`submit(step, previous=...)`): step N's tokens, not yet on the host, are
+`PENDING` in the scheduler's sequences, and the device feeds them into step N+1
+(`StepInputs.carry`). The host's work for step N — reading tokens back,
+detokenising, emitting — overlaps the device's work on step N+1.
 
 `execute` is the one forward path of every rank: a decode step that fits a
 captured bucket replays its CUDA graph (all-reduces included), anything else
@@ -41,7 +44,7 @@ from services.llm.graphs import GRAPH_SAFE_BACKENDS, DecodeGraphs
 from services.llm.loader import load_llm
 from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
-from services.llm.scheduler import Chunk, Sequence, Step
+from services.llm.scheduler import PENDING, Chunk, Sequence, Step
 from services.llm.step_inputs import StepChannel, StepInputs
 
 log = logging.getLogger(__name__)
@@ -55,11 +58,20 @@ class Sampled:
 
 
 class InFlight:
-    """A launched step: its sampled tokens and logprobs on their way to pinned host memory."""
+    """A launched step: its sampled tokens and logprobs on their way to pinned host memory.
+
+    `tokens` stays on the device for the next step (`carry`); `rows` is each sampled sequence's row in it.
+    `feeds_next` is False when a row's sampler needs the token on the host before it samples again (the
+    repetition penalty's seen tokens): then the engine waits for this step before it schedules the next."""
 
     def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None):
         self.step = step
         self._chunks = chunks
+        self.tokens = tokens
+        self.rows = {c.seq.seq_id: i for i, c in enumerate(chunks)}
+        self.feeds_next = all(c.seq.state.sampler.seen is None for c in chunks)
+        self.pending: dict = {}  # seq_id -> index of its PENDING output (the engine's `advance`)
+        self.ending: dict = {}  # seq_id -> "length": known to end with this step's token
         self._tokens, self._logprobs, self._ready = tokens, logprobs, None
         if tokens is not None and tokens.is_cuda:
             self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -164,10 +176,12 @@ class ModelRunner:
         return self.submit(step).wait()
 
     @torch.inference_mode()
-    def submit(self, step: Step) -> InFlight:
-        """Rank 0: queue one scheduled step on every rank, sampling included, without waiting for it."""
-        inputs = self.prepare(step)
-        logits = self.call(inputs)
+    def submit(self, step: Step, previous: InFlight | None = None) -> InFlight:
+        """Rank 0: queue one scheduled step on every rank, sampling included, without waiting for it.
+
+        `previous`: the step before, whose tokens may still be `PENDING` in this step's sequences."""
+        inputs = self.prepare(step, previous)
+        logits = self.call(inputs, previous.tokens if previous is not None else None)
         sampled = [c for c in step.chunks if c.sample]
         if logits is None:
             return InFlight(step, [], None, None)
@@ -175,20 +189,38 @@ class ModelRunner:
         tokens, logprobs = sample(logits, rows)
         return InFlight(step, sampled, tokens, logprobs)
 
-    def call(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Rank 0: hand `inputs` to every rank, then run them here."""
-        return self.execute(self.channel.publish(inputs))
+    def call(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Rank 0: hand `inputs` (and the previous step's device tokens it carries) to every rank, then run
+        them here."""
+        return self.execute(self.channel.publish(inputs), previous_tokens)
 
-    def prepare(self, step: Step) -> StepInputs:
+    def prepare(self, step: Step, previous: InFlight | None = None) -> StepInputs:
         """Rank 0: the step's inputs on the host, from the scheduled chunks and the page allocator."""
         if self.graphs is not None and self._is_decode(step):
             bucket = self.graphs.bucket(len(step.chunks))
             if bucket:
-                return self._prepare_decode(step, bucket)
+                return self._prepare_decode(step, bucket, previous)
+        return self._prepare_packed(step, previous)
+
+    @staticmethod
+    def _carry(ids: list[int], step: Step, last_rows: list[int], previous: InFlight | None) -> dict:
+        """`carry` and `previous_samples` for the tokens whose ids are still `PENDING` (always a sequence's
+        last token, so the last row of its chunk): their rows among `previous`'s sampled tokens."""
+        pairs = [(row, c.seq.seq_id) for c, row in zip(step.chunks, last_rows) if ids[row] == PENDING]
+        if not pairs:
+            return {}
+        if previous is None or previous.tokens is None:
+            raise RuntimeError("a step carries pending tokens but no previous step sampled them")
+        carry = [-1] * len(ids)
+        for row, seq_id in pairs:
+            carry[row] = previous.rows[seq_id]
+        return dict(carry=torch.tensor(carry, dtype=torch.int64), previous_samples=int(previous.tokens.shape[0]))
+
+    def _prepare_packed(self, step: Step, previous: InFlight | None) -> StepInputs:
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
-        query_lens, context_lens, seq_ids, sample_rows = [], [], [], []
+        query_lens, context_lens, seq_ids, sample_rows, last_rows = [], [], [], [], []
         for chunk in step.chunks:
             seq: Sequence[RequestState] = chunk.seq
             prompt = seq.state.prompt
@@ -203,6 +235,7 @@ class ModelRunner:
             query_lens.append(chunk.length)
             context_lens.append(end)
             seq_ids.append(seq.seq_id)
+            last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
         return StepInputs(
@@ -210,9 +243,9 @@ class ModelRunner:
             query_lens=tuple(query_lens), context_lens=tuple(context_lens),
             block_table=torch.tensor(self.pool.allocator.block_table(seq_ids), dtype=torch.int64),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64), has_embeds=bool(splices),
-            splices=tuple(splices))
+            splices=tuple(splices), **self._carry(ids, step, last_rows, previous))
 
-    def _prepare_decode(self, step: Step, bucket: int) -> StepInputs:
+    def _prepare_decode(self, step: Step, bucket: int, previous: InFlight | None) -> StepInputs:
         # Plain Python per sequence (no small tensors): at batch 256 this loop is on every step.
         alloc, page = self.pool.allocator, self.pool.page_size
         n, pad = len(step.chunks), bucket - len(step.chunks)
@@ -220,7 +253,7 @@ class ModelRunner:
         for c in step.chunks:
             seq: Sequence[RequestState] = c.seq
             pages = alloc.pages(seq.seq_id)
-            ids.append(seq.output_ids[c.start - len(seq.prompt_ids)])  # the last sampled token
+            ids.append(seq.output_ids[c.start - len(seq.prompt_ids)])  # the last sampled token (or PENDING)
             slots.append(pages[c.start // page] * page + c.start % page)
             rows.append(pages)
             lens.append(c.start + 1)
@@ -228,13 +261,14 @@ class ModelRunner:
         width = max(len(r) for r in rows)
         table = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * pad
         pos = torch.tensor(positions + [0] * pad, dtype=torch.int64)
+        ids += [0] * pad
         return StepInputs(
-            input_ids=torch.tensor(ids + [0] * pad, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=pos.expand(3, -1) if self.uses_mrope else pos,
             query_lens=(1,) * bucket, context_lens=tuple(lens + [0] * pad),
             block_table=torch.tensor(table, dtype=torch.int64), sample_rows=torch.arange(n, dtype=torch.int64),
             slot_mapping=torch.tensor(slots + [self.graphs.scratch_slot] * pad, dtype=torch.int64),
-            graph_batch=bucket)
+            graph_batch=bucket, **self._carry(ids, step, list(range(n)), previous))
 
     def _positions(self, chunk: Chunk) -> torch.Tensor:
         start, end = chunk.start, chunk.start + chunk.length
@@ -286,8 +320,13 @@ class ModelRunner:
         distributed.abandon_tp()  # the process ends next (exit_rank): no teardown to hang in
 
     # ---- every rank ---------------------------------------------------------------------
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """One forward of the step on this rank: float32 logits of the sampled rows (None if none)."""
+    def execute(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One forward of the step on this rank: float32 logits of the sampled rows (None if none).
+
+        `previous_tokens`: rank 0's previous sampled tokens, when `inputs` carries some (ranks >= 1 receive
+        them here)."""
+        if inputs.carry is not None:
+            inputs = inputs.with_carried_ids(self.channel.share_tokens(previous_tokens, inputs.previous_samples))
         if inputs.graph_batch:
             hidden = self.graphs.run(inputs)
         else:

@@ -8,6 +8,11 @@ a page when none is free preempts the youngest running sequence (its pages are
 freed and it is recomputed later, ahead of the queue); nothing is corrupted,
 nothing crashes. Chunked prefill falls out of the budget: a prompt longer than
 what is left this step continues next step.
+
+The engine schedules step N+1 before it knows step N's sampled tokens: `advance`
+records what step N computes and appends a `PENDING` token to each sampled
+sequence (the device feeds the real one into step N+1); `fill` writes the token
+in once it is read back.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class SeqStatus(Enum):
 
 
 _arrivals = itertools.count()
+PENDING = -1  # an output token sampled on the device and not yet read back
 StateT = TypeVar("StateT")
 
 
@@ -156,16 +162,35 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def complete(self, step: Step, sampled: dict[Hashable, int]) -> None:
-        """Record what a step computed: the chunks' K/V are cached; sampled tokens are appended."""
+    def advance(self, step: Step) -> dict[Hashable, int]:
+        """Record what a launched step computes: its chunks' K/V will be cached, and each sampled sequence
+        gets a `PENDING` token. Returns the index of each pending token in its sequence's outputs."""
+        pending = {}
         for chunk in step.chunks:
             seq = chunk.seq
             if seq.status is not SeqStatus.RUNNING:
-                continue  # finished or aborted while the step ran
+                continue  # finished or aborted since it was scheduled
             seq.num_computed = chunk.start + chunk.length
-            token = sampled.get(seq.seq_id)
-            if chunk.sample and token is not None:
-                seq.output_ids.append(token)
+            if chunk.sample:
+                pending[seq.seq_id] = len(seq.output_ids)
+                seq.output_ids.append(PENDING)
+        return pending
+
+    @staticmethod
+    def fill(seq: Sequence, index: int, token: int) -> None:
+        """The sampled token read back, in place of its `PENDING` (also while preempted, to recompute)."""
+        if seq.output_ids[index] != PENDING:
+            raise RuntimeError(f"{seq.seq_id}: output {index} is {seq.output_ids[index]}, not pending")
+        seq.output_ids[index] = token
+
+    def complete(self, step: Step, sampled: dict[Hashable, int]) -> None:
+        """`advance` and `fill` at once: a step whose tokens are already known."""
+        by_id = {c.seq.seq_id: c.seq for c in step.chunks}
+        for seq_id, index in self.advance(step).items():
+            if seq_id in sampled:
+                self.fill(by_id[seq_id], index, sampled[seq_id])
+            else:
+                by_id[seq_id].output_ids.pop(index)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort): its pages go back to the pool now."""

@@ -15,18 +15,23 @@ one (a long prefill) sends the rest in a second. Spliced multimodal embeddings
 are floats, not ints: every rank embeds the token ids (the embedding is itself
 sharded), rank 0 writes the encoder rows in, and the result is broadcast
 (`share_embeds`).
+
+Rank 0 publishes step N+1 before it has read step N's sampled tokens back: a
+token it does not know yet is named by `carry` (its row among step N's sampled
+tokens), and `share_tokens` hands step N's tokens, still on rank 0's device, to
+every rank; each rank puts them in place on its own device (`with_carried_ids`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from modalmesh import distributed
 
 HEADER = 16  # int64 words before the payload
-_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH = range(10)
+_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH, _CARRY, _PREVIOUS = range(12)
 STEP, STOP = 1, 2
 DEFAULT_CAPACITY = 8192  # int64 words in one broadcast: 64 KiB
 
@@ -49,6 +54,10 @@ class StepInputs:
     # Rank 0 only, never sent: (row in the batch, encoder rows) written over the token embeddings.
     splices: tuple[tuple[int, torch.Tensor], ...] = ()
     context_lens_t: torch.Tensor | None = None  # (B,) int64 on the device, set by the channel
+    # (T,) int64: for each token, its row among the previous step's sampled tokens when its id was not
+    # known on the host yet (input_ids holds a placeholder there), else -1. None: every id is known.
+    carry: torch.Tensor | None = None
+    previous_samples: int = 0  # how many tokens the previous step sampled (what `share_tokens` moves)
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +66,14 @@ class StepInputs:
     @property
     def batch_size(self) -> int:
         return len(self.query_lens)
+
+    def with_carried_ids(self, previous_tokens: torch.Tensor) -> StepInputs:
+        """These inputs with the ids named by `carry` taken from the previous step's sampled tokens (on the
+        device: no host synchronisation)."""
+        if self.carry is None:
+            return self
+        carried = previous_tokens[self.carry.clamp(min=0)]
+        return replace(self, input_ids=torch.where(self.carry >= 0, carried, self.input_ids), carry=None)
 
 
 class StepChannel:
@@ -78,9 +95,12 @@ class StepChannel:
         parts = [s.input_ids, s.positions.reshape(-1), lens, s.block_table.reshape(-1), s.sample_rows]
         if s.slot_mapping is not None:
             parts.append(s.slot_mapping)
+        if s.carry is not None:
+            parts.append(s.carry)
         length = sum(p.numel() for p in parts)
         header = [STEP, s.num_tokens, s.batch_size, s.block_table.shape[1], int(mrope), s.sample_rows.numel(),
-                  int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length]
+                  int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length, int(s.carry is not None),
+                  s.previous_samples]
         # Pinned and from the caching host allocator: the copy below is asynchronous, and the allocator
         # keeps this block until the copy has run, so the next step cannot overwrite it early.
         # Under TP the first broadcast is always `capacity` words: allocate at least that, so it is a view.
@@ -115,6 +135,15 @@ class StepChannel:
         return _unpack(torch.cat([first, rest]), torch.cat([host, rest.cpu()]), ())
 
     # ---- every rank ---------------------------------------------------------------------
+    def share_tokens(self, tokens: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The previous step's `n` sampled tokens on every rank: rank 0 gives its device tensor; ranks >= 1
+        pass None and receive them."""
+        if self.world_size == 1:
+            return tokens
+        if tokens is None:
+            tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        return distributed.broadcast(tokens.contiguous())
+
     def share_embeds(self, embeds: torch.Tensor) -> torch.Tensor:
         """Rank 0's spliced input embeddings (T, H) on every rank (in place on ranks >= 1)."""
         return distributed.broadcast(embeds.contiguous()) if self.world_size > 1 else embeds
@@ -140,10 +169,11 @@ def _unpack(message: torch.Tensor, host: torch.Tensor, splices) -> StepInputs:
     block_table, _ = take(batch * width)
     sample_rows, _ = take(rows)
     slot_mapping = take(tokens)[0] if head[_SLOTS] else None
+    carry = take(tokens)[0] if head[_CARRY] else None
     lens_host = host[lens_at].tolist()
     return StepInputs(
         input_ids=input_ids, positions=positions, query_lens=tuple(lens_host[:batch]),
         context_lens=tuple(lens_host[batch:]), block_table=block_table.view(batch, width), sample_rows=sample_rows,
         slot_mapping=slot_mapping, graph_batch=head[_GRAPH], has_embeds=bool(head[_EMBEDS]), splices=tuple(splices),
-        context_lens_t=lens[batch:],
+        context_lens_t=lens[batch:], carry=carry, previous_samples=head[_PREVIOUS],
     )
