@@ -72,6 +72,11 @@ CASES = [
     Case("paged-window-page16", "paged", head_dim=32, query_lens=(2, 1), context_lens=(20, 17), causal=True,
          window=(4, 0), page_size=16),
     Case("paged-odd-hd", "paged", head_dim=11, query_lens=(2,), context_lens=(6,), causal=True),
+    # continuous batching: decode rows, a new prompt and a chunk continuing its prefix in one step
+    Case("paged-mixed-continuous", "paged", heads=6, kv_heads=2, head_dim=32, query_lens=(1, 5, 1, 3),
+         context_lens=(9, 5, 4, 11), causal=True),
+    Case("paged-mixed-window", "paged", heads=4, kv_heads=2, head_dim=16, query_lens=(1, 6, 2),
+         context_lens=(12, 6, 9), causal=True, window=(3, 0)),
 ]
 
 

@@ -185,3 +185,21 @@ def test_decoder_with_fused_kernels_equals_the_unfused_decoder(device, family, t
     got = _logits(path, device, True, prompt, 4)
     assert set(calls) == {"rms_norm", "silu_and_mul", "rope_and_store"}, calls  # the fused path did run
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case_id", ["paged-decode", "paged-prefill-prefix", "paged-mixed-page1",
+                                     "paged-mixed-continuous", "paged-mixed-window", "paged-window-page16"])
+def test_triton_paged_mixed_steps_agree_with_naive(device, case_id):
+    """The paged kernel's per-token path (mixed steps: each token a decode query of its own) and its
+    decode path, against the reference attention over each sequence's dense history."""
+    from modalmesh.attention import registry
+    from test_attention_backends import CASES, make_inputs, run_backend
+
+    case = next(c for c in CASES if c.id == case_id)
+    probe = registry.probe("triton_paged")
+    assert probe.ok, probe.reason
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    call, expected = make_inputs(case, device, dtype)
+    out = run_backend(probe.backend, call)
+    torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])

@@ -45,7 +45,7 @@ class VarlenMetadata:
         seqlens = tuple(int(n) for n in seqlens)
         if not seqlens or min(seqlens) < 0:
             raise ValueError(f"seqlens must be a non-empty list of lengths >= 0, got {seqlens!r}")
-        cu = torch.tensor([0, *accumulate(seqlens)], dtype=torch.int32, device=device)
+        cu = host_to_device([0, *accumulate(seqlens)], torch.int32, device)
         return cls(cu, max(seqlens), seqlens, sdpa_strategy)
 
     @classmethod
@@ -140,8 +140,8 @@ class PagedMetadata:
         return cls(
             slot_mapping=slot_mapping.to(torch.int64),
             block_table=block_table,
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor([0, *accumulate(query_lens)], dtype=torch.int32, device=device),
+            context_lens=host_to_device(context_lens, torch.int32, device),
+            cu_seqlens_q=host_to_device([0, *accumulate(query_lens)], torch.int32, device),
             query_lens=query_lens,
             context_lens_host=context_lens,
             page_size=page_size,
@@ -189,22 +189,30 @@ class PagedMetadata:
         """int32 (B + 1,): cumulative context lengths (kernels that take varlen k over pages)."""
         return self.cached(
             "cu_seqlens_k",
-            lambda: torch.tensor([0, *accumulate(self.context_lens_host)], dtype=torch.int32, device=self.device),
+            lambda: host_to_device([0, *accumulate(self.context_lens_host)], torch.int32, self.device),
         )
+
+
+def host_to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for the device: `torch.tensor(..., device=)`
+    synchronises the stream, which would stall a host that runs one step ahead of the device."""
+    # device="cpu" explicitly: under `with torch.device("meta")` (models built without memory) a bare
+    # torch.tensor would be a meta tensor, which has no data to copy.
+    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
 
 
 def _positions(query_lens, context_lens, device) -> torch.Tensor:
     # Token i of a sequence with q new tokens out of c sits at position c - q + i; vectorised so
     # a batch of hundreds of sequences costs a handful of kernels, not one per sequence.
     starts = [0, *accumulate(query_lens)][:-1]
-    shift = torch.tensor([c - q - s for q, c, s in zip(query_lens, context_lens, starts)], device=device)
+    shift = host_to_device([c - q - s for q, c, s in zip(query_lens, context_lens, starts)], torch.int64, device)
     seq = _sequence_ids(query_lens, device)
     return torch.arange(seq.numel(), device=device, dtype=torch.int64) + shift[seq]
 
 
 def _sequence_ids(lens, device) -> torch.Tensor:
-    counts = torch.tensor(lens, dtype=torch.int64, device=device)
-    return torch.repeat_interleave(torch.arange(len(lens), device=device), counts)
+    counts = host_to_device(lens, torch.int64, device)
+    return torch.repeat_interleave(torch.arange(len(lens), device=device), counts, output_size=sum(lens))
 
 
 # The metadata of the forward pass in progress, for layers called without it (nano-vllm's context).

@@ -138,7 +138,7 @@ class SamplerRow:
 def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
     """A small host list on `device` without waiting for the device (`torch.tensor(..., device=)` would
     synchronise the stream: the engine launches the next step before the current one has finished)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -6,17 +6,26 @@ softmax for the whole GQA group of query heads, and never gathers pages into a
 dense copy. It reads lengths and pages from device tensors only, so a decode
 step can be captured in a CUDA graph. Prefill is delegated: new sequences (no
 cached prefix) go to the fastest varlen kernel installed (FA3, torch varlen,
-FA2) on the new tokens; a chunk continuing a cached prefix uses SDPA over the
-gathered pages.
+FA2) on the new tokens.
+
+A mixed step (continuous batching: decode rows beside new prompts and chunks
+that continue a cached prefix) is split by sequence: new prompts go to the
+varlen delegate, and every other token runs the same kernel as a decode query
+of its own — its sequence's pages, its causal length (`token_seq`,
+`token_ctx`). Only a step whose prefix chunks are long (the kernel would re-read
+their whole context per token) falls back to SDPA over the gathered pages.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from modalmesh.attention import registry
 from modalmesh.attention.backends.base import AttentionBackend
-from modalmesh.attention.metadata import VarlenMetadata
+from modalmesh.attention.metadata import VarlenMetadata, host_to_device
 
 _VARLEN_DELEGATES = ("fa3", "torch_varlen", "fa2")
 _BLOCK_N = 32
@@ -28,21 +37,25 @@ def _kernel():
 
     @triton.jit
     def paged_decode(
-        Q, K, V, Out, BlockTable, ContextLens, scale,
+        Q, K, V, Out, BlockTable, ContextLens, TokenSeq, scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         DV: tl.constexpr, DV_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        WINDOW_LEFT: tl.constexpr, IEEE: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr,
     ):
-        seq = tl.program_id(0)
+        row = tl.program_id(0)  # a query token; its sequence's block-table row is `seq`
         kvh = tl.program_id(1)
-        ctx = tl.load(ContextLens + seq)
+        ctx = tl.load(ContextLens + row)  # per token (PER_TOKEN) or per sequence: the same index
+        if PER_TOKEN:
+            seq = tl.load(TokenSeq + row)
+        else:
+            seq = row
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         dv = tl.arange(0, DV_PAD)
         heads = kvh * GROUP + g
-        q = tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=(g[:, None] < GROUP) & (d[None, :] < D), other=0.0)
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
@@ -76,7 +89,7 @@ def _kernel():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + seq * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+        tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
                  mask=(g[:, None] < GROUP) & (dv[None, :] < DV))
 
     return paged_decode
@@ -87,8 +100,12 @@ def _pad(n: int, floor: int = 16) -> int:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor, *, scale: float, window=None, kernel=None) -> torch.Tensor:
-    """q (B, H, D) of one new token per sequence -> (B, H, Dv), attending over each sequence's pages."""
+                 context_lens: torch.Tensor, *, scale: float, window=None, kernel=None,
+                 token_seq: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, D) of one new token per sequence -> (B, H, Dv), attending over each sequence's pages.
+
+    With `token_seq` (int32 (N,)), q holds N query tokens: token i belongs to block-table row token_seq[i]
+    and attends to the first context_lens[i] tokens of it (its causal length)."""
     kernel = kernel or _kernel()
     batch, heads, dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
@@ -99,11 +116,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     left = -1 if window is None or window[0] < 0 else int(window[0])
     kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, block_table, context_lens, float(scale),
+        q, k_cache, v_cache, out, block_table, context_lens, context_lens if token_seq is None else token_seq,
+        float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         GROUP=group, GROUP_PAD=_pad(group), D=dim, D_PAD=_pad(dim), DV=dim_v, DV_PAD=_pad(dim_v), PAGE=page,
-        BLOCK_N=_BLOCK_N, WINDOW_LEFT=left, IEEE=q.dtype == torch.float32,
+        BLOCK_N=_BLOCK_N, WINDOW_LEFT=left, IEEE=q.dtype == torch.float32, PER_TOKEN=token_seq is not None,
     )
     return out
 
@@ -126,16 +144,30 @@ class TritonPaged(AttentionBackend):
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.context_lens, scale=scale,
                                 window=window, kernel=self._decode)
-        if meta.without_prefix and window is None:
-            delegate = self._varlen_delegate(q)
-            if delegate is not None:
-                rows_k = k_cache.view(-1, *k_cache.shape[2:])
-                rows_v = v_cache.view(-1, *v_cache.shape[2:])
-                k, v = rows_k[meta.slot_mapping], rows_v[meta.slot_mapping]
-                varlen = meta.cached("varlen_meta", lambda: VarlenMetadata(
-                    meta.cu_seqlens_q, meta.max_seqlen_q, meta.query_lens))
-                return delegate.varlen(q, k, v, varlen, causal=causal, scale=scale, window=None)
-        return self._sdpa(q).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
+        delegate = self._varlen_delegate(q) if window is None and causal else None
+        if meta.without_prefix and delegate is not None:
+            return self._new_prompts(delegate, q, k_cache, v_cache, meta.slot_mapping, meta.cached(
+                "varlen_meta", lambda: VarlenMetadata(meta.cu_seqlens_q, meta.max_seqlen_q, meta.query_lens)),
+                scale)
+        plan = meta.cached(("mixed_plan", delegate is not None), lambda: MixedPlan.of(meta, delegate is not None))
+        if plan is None or not causal:
+            return self._sdpa(q).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
+        out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+        if plan.token_rows is not None:
+            out[plan.token_rows] = paged_decode(q[plan.token_rows], k_cache, v_cache, meta.block_table,
+                                                plan.token_ctx, scale=scale, window=window, kernel=self._decode,
+                                                token_seq=plan.token_seq)
+        if plan.prompt_rows is not None:
+            out[plan.prompt_rows] = self._new_prompts(delegate, q[plan.prompt_rows], k_cache, v_cache,
+                                                      meta.slot_mapping[plan.prompt_rows], plan.prompt_meta, scale)
+        return out
+
+    @staticmethod
+    def _new_prompts(delegate, q, k_cache, v_cache, slots, varlen: VarlenMetadata, scale):
+        """Causal attention of sequences that are all new tokens, over their k/v just written to the pool."""
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        return delegate.varlen(q, k, v, varlen, causal=True, scale=scale, window=None)
 
     def _varlen_delegate(self, q):
         for name in _VARLEN_DELEGATES:
@@ -146,8 +178,59 @@ class TritonPaged(AttentionBackend):
         return None
 
 
+# Above this many (token x context) pairs among the per-token rows, re-reading each token's context costs
+# more than SDPA over the gathered pages: 64 decode rows of 8k tokens each.
+PER_TOKEN_BUDGET = 64 * 8192
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """How a mixed step's tokens split: `prompt_rows` (sequences of new tokens only, to the varlen
+    delegate, with `prompt_meta`) and `token_rows` (every other token, a decode query of its own: its
+    block-table row `token_seq` and causal length `token_ctx`). Built once per step, on the host."""
+
+    token_rows: torch.Tensor | None
+    token_seq: torch.Tensor | None
+    token_ctx: torch.Tensor | None
+    prompt_rows: torch.Tensor | None
+    prompt_meta: VarlenMetadata | None
+
+    @classmethod
+    def of(cls, meta, varlen: bool) -> MixedPlan | None:
+        token_rows, token_seq, token_ctx, prompt_rows, prompt_lens = [], [], [], [], []
+        start = 0
+        for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            rows = range(start, start + q)
+            if varlen and q == c:
+                prompt_rows += rows
+                prompt_lens.append(q)
+            else:
+                token_rows += rows
+                token_seq += [b] * q
+                token_ctx += range(c - q + 1, c + 1)
+            start += q
+        if sum(token_ctx) > PER_TOKEN_BUDGET:
+            return None
+        device = meta.device
+
+        def on_device(values, dtype):
+            return host_to_device(values, dtype, device)
+
+        prompt_meta = None
+        if prompt_lens:
+            prompt_meta = VarlenMetadata(on_device([0, *accumulate(prompt_lens)], torch.int32), max(prompt_lens),
+                                         tuple(prompt_lens))
+        return cls(
+            token_rows=on_device(token_rows, torch.int64) if token_rows else None,
+            token_seq=on_device(token_seq, torch.int32) if token_rows else None,
+            token_ctx=on_device(token_ctx, torch.int32) if token_rows else None,
+            prompt_rows=on_device(prompt_rows, torch.int64) if prompt_rows else None,
+            prompt_meta=prompt_meta,
+        )
+
+
 def _fits(target, head_dim: int) -> bool:
     return (target.max_head_dim is None or head_dim <= target.max_head_dim) and head_dim % target.head_dim_multiple == 0
 
 
-__all__ = ["TritonPaged", "paged_decode"]
+__all__ = ["MixedPlan", "TritonPaged", "paged_decode"]
