@@ -8,8 +8,9 @@ bucket: padding rows have context length 0 and write their k/v to rank 0's
 scratch page — and replays. Under tensor parallelism every rank captures the
 same buckets in the same order, all-reduces included, and replays the bucket
 named in the step's inputs. This removes the per-layer Python and launch
-overhead that dominates small-batch decode. Needs a graph-safe attention
-backend (`triton_paged`: device-side lengths, no host synchronisation).
+overhead that dominates small-batch decode. Needs attention backends whose
+records say ``graph_safe`` (`triton_paged`: device-side lengths, no host
+synchronisation).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import logging
 
 import torch
 
-from modalmesh.attention import PagedMetadata
+from modalmesh.attention import PagedMetadata, registry
 from services.llm.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
-GRAPH_SAFE_BACKENDS = frozenset({"triton_paged"})
+# The attention backends whose records (BackendSpec.graph_safe) say a decode step can be captured.
+GRAPH_SAFE_BACKENDS = frozenset(name for name in registry.names() if registry.spec(name).graph_safe)
 
 
 def buckets(max_batch: int) -> list[int]:
