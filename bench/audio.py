@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if hf is not None and not args.dummy_weights:
         # HF's random weights into ours through the checkpoint loader, then parity.
         state = ((f"model.encoder.{k}", v) for k, v in hf.state_dict().items())
-        load_weights(ours.module, state, ours.module.mapper, ours.module.stacked, metrics=False)
+        load_weights(ours.module, state, ours.module.weights_mapper, ours.module.stacked_params, metrics=False)
         with torch.inference_mode():
             x = mels[:2]
             a, b = ours.module(x).float(), hf(x).last_hidden_state.float()

@@ -167,8 +167,8 @@ def run_case(case: Case, args, device, dtype) -> dict:
                     ref_fwd = lambda: ref(pixel_values=pixels)  # noqa: E731
                 row[f"hf_{attn}_ms"] = timed(ref_fwd, args.iters, device)
                 if attn == args.hf_attn[0]:  # same weights in ours, then compare
-                    load_weights(ours.tower, list(ref.state_dict().items()), ours.tower.mapper, ours.tower.stacked,
-                                 metrics=False)
+                    load_weights(ours.tower, list(ref.state_dict().items()), ours.tower.weights_mapper,
+                                 ours.tower.stacked_params, metrics=False)
                     want = ref_fwd()
                     want = want if native else torch.cat((want.last_hidden_state, want.pooler_output[:, None]), 1)
                     got = ours_fwd()

@@ -105,30 +105,6 @@ def test_empty_packed_batch():
     assert out.shape == (0, 2, 4)
 
 
-def test_rotary_hook_sees_positions_and_its_output_is_used():
-    seen = []
-
-    def rotary(q, k, positions):  # a stand-in for a model's rotary: position-dependent scaling
-        seen.append(positions.tolist())
-        scale = (1 + positions.float() / 10).view(-1, *([1] * 2))
-        return q * scale, k * scale
-
-    selector = cpu_selector()
-    kw = dict(rotary=rotary, dtype=torch.float32, selector=selector)
-    dense = Attention(2, 4, component="audio_encoder", causal=True, **kw)
-    q, k, v = rand(1, 3, 2, 4), rand(1, 3, 2, 4), rand(1, 3, 2, 4)
-    out = dense(q, k, v)
-    s = torch.tensor([1.0, 1.1, 1.2]).view(1, 3, 1, 1)
-    torch.testing.assert_close(out, reference_attention(q * s, k * s, v, causal=True, scale=0.5, window=None),
-                               **FP32)
-    packed = Attention(2, 4, component="vision_encoder", layouts=("varlen",), **kw)
-    packed(rand(5, 2, 4), rand(5, 2, 4), rand(5, 2, 4), VarlenMetadata.from_seqlens([2, 3]))
-    paged = Attention(2, 4, component="llm", causal=True, layouts=("paged",), **kw)
-    meta = PagedMetadata.build([2, 1], [5, 3], torch.tensor([[0, 1], [2, 3]]), 4)
-    paged(rand(3, 2, 4), rand(3, 2, 4), rand(3, 2, 4), meta, kv_cache=(torch.zeros(4, 4, 2, 4),) * 2)
-    assert seen == [[0, 1, 2], [0, 1, 0, 1, 2], [3, 4, 2]]
-
-
 @pytest.mark.parametrize("call, message", [
     (lambda a: a(rand(2, 3, 4, 8), rand(2, 3, 2, 8), rand(2, 3, 2, 8)), "wants q"),
     (lambda a: a(rand(2, 3, 2, 8), rand(2, 3, 1, 8), rand(2, 3, 2, 8)), "do not match"),

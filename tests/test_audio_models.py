@@ -19,7 +19,7 @@ from transformers import (
 from modalmesh import pb, tiny
 from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.rpc.codec import to_proto
-from modalmesh.weights import CheckpointReader
+from modalmesh.weights import CheckpointReader, MissingWeightsError
 from services.audio_encoder.model import build_encoder_model
 from services.audio_encoder.models.qwen2_audio import output_rows
 
@@ -202,6 +202,21 @@ def test_a_checkpoint_k_bias_is_loaded_when_present(whisper, root):
     assert torch.equal(qkv.bias[32:64], k_bias)
     other = model.module.encoder.layers[0].self_attn.qkv_proj
     assert torch.all(other.bias[32:64] == 0)
+
+
+@pytest.mark.parametrize("name, gone, param", [
+    ("whisper", "model.encoder.layer_norm.weight", r"encoder\.layer_norm\.weight"),
+    ("qwen2_audio", "multi_modal_projector.linear.bias", r"multi_modal_projector\.linear\.bias"),
+])
+def test_a_missing_tower_tensor_is_named(name, gone, param, whisper, qwen2_audio, root, tmp_path):
+    src = {"whisper": whisper, "qwen2_audio": qwen2_audio}[name][0]
+    dst = tmp_path / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = {k: v.clone() for k, v in CheckpointReader(src)}
+    del state[gone]
+    save_file(state, str(dst / "model.safetensors"))
+    with pytest.raises(MissingWeightsError, match=param):
+        build_encoder_model(dst)
 
 
 def test_dummy_weights_and_unsupported_checkpoints(qwen2_audio, root):

@@ -28,7 +28,9 @@ from modalmesh.kv.pool import build_kv_pool
 from modalmesh.weights import CheckpointReader, MissingWeightsError, UnexpectedWeightsError
 from modalmesh.weights import loader as weights_loader
 from services.llm.loader import load_llm
+from modalmesh.models import pick
 from services.llm.models import (
+    ARCHITECTURES,
     GPTNeoXForCausalLM,
     LlamaForCausalLM,
     Qwen2_5_VLTextForCausalLM,
@@ -36,7 +38,6 @@ from services.llm.models import (
     Qwen2ForCausalLM,
     Qwen2VLTextForCausalLM,
     Qwen3ForCausalLM,
-    model_class,
 )
 from services.llm.mrope import mrope_positions
 
@@ -423,6 +424,10 @@ def test_tensor_parallel_ranks_reproduce_the_reference(root):
 
 
 # ---- selection and the forward contract -------------------------------------------------------
+def model_class(cfg: ModelConfig):
+    return pick(cfg, ARCHITECTURES, what="language model")
+
+
 def test_model_class_by_architecture_and_unknown_architectures(root):
     expected = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
                 "gpt_neox": GPTNeoXForCausalLM, "qwen2_vl": Qwen2VLTextForCausalLM,

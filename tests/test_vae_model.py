@@ -14,10 +14,11 @@ from modalmesh.attention import selector as selector_mod
 from modalmesh.attention.backends.naive import NaiveBackend
 from modalmesh.attention.capability import ALL_FEATURES, BackendSpec, Target
 from modalmesh.errors import ConfigError
-from modalmesh.weights import UnexpectedWeightsError, WeightMismatchError
+from modalmesh.weights import MissingWeightsError, UnexpectedWeightsError, WeightMismatchError
 from services.vae.config import VAEConfig, find_vae_dir
 from services.vae.engine import OFF, TilingRequest, VAEEngine, to_uint8, to_unit
-from services.vae.weights import LEGACY_ATTENTION, build_decoder, load_decoder
+from services.vae.models.autoencoder_kl import LEGACY_ATTENTION
+from services.vae.weights import build_decoder, load_decoder
 
 diffusers = pytest.importorskip("diffusers")
 AutoencoderKL = diffusers.AutoencoderKL
@@ -170,6 +171,17 @@ def test_encoder_tensors_are_not_read_and_decoder_loading_is_strict(ckpts, tmp_p
         ours(bad_kernel)
 
 
+def test_a_missing_decoder_tensor_is_named(ckpts, tmp_path):
+    src = ckpts["tiny_vae"]
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "config.json").write_text((src / "config.json").read_text())
+    state = load_file(str(src / "diffusion_pytorch_model.safetensors"))
+    del state["decoder.conv_out.bias"]
+    save_file(state, str(tmp_path / "gone" / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(MissingWeightsError, match=r"decoder\.conv_out\.bias"):
+        ours(tmp_path / "gone")
+
+
 def test_pipeline_layout_and_non_vae_directories(ckpts, tmp_path):
     pipe = tmp_path / "pipe"
     pipe.mkdir()
@@ -287,3 +299,28 @@ def test_bfloat16_decoding_is_close_to_fp32(ckpts):
         a, b = fp32(z), bf16(z.bfloat16())
     assert b.dtype == torch.bfloat16
     torch.testing.assert_close(b.float(), a, atol=0.1, rtol=0)
+
+
+# ---- backend facts come from the backend's record ------------------------------------------------
+def test_the_untiled_estimate_counts_a_score_matrix_when_the_backend_record_says_so(ckpts, monkeypatch):
+    """Not a list of names in the VAE: a backend registered with score_matrix=True is counted."""
+    monkeypatch.setattr(selector_mod, "_CURRENT", None)
+    targets = (Target("cpu", frozenset({torch.float32}), ALL_FEATURES),)
+    loader = "modalmesh.attention.backends.naive:NaiveBackend"
+    registry.register(BackendSpec("test_vae_quadratic", loader, targets=targets, score_matrix=True))
+    registry.register(BackendSpec("test_vae_flash_like", loader, targets=targets))
+    try:
+        src = ckpts["sd_4ch_post_quant"]
+        cfg = VAEConfig.from_dir(src)
+        need = {}
+        for name in ("test_vae_quadratic", "test_vae_flash_like"):
+            configure(f"vae={name}", platform=Platform.cpu())
+            model, _ = ours(src)
+            engine = VAEEngine(cfg, model, device=CPU, dtype=torch.float32)
+            assert engine.attention_backend == name
+            need[name] = engine.untiled_bytes(2, 8, 6)
+        heads = cfg.block_out_channels[-1] // cfg.attention_head_dim
+        assert need["test_vae_quadratic"] - need["test_vae_flash_like"] == 2 * 2 * heads * (8 * 6) ** 2 * 4
+    finally:
+        registry.unregister("test_vae_quadratic")
+        registry.unregister("test_vae_flash_like")

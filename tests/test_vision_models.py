@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from modalmesh import pb, tiny
-from modalmesh.weights import CheckpointReader
+from modalmesh.weights import CheckpointReader, MissingWeightsError
 from services.vision_encoder.model import build_encoder_model
 from services.vision_encoder.models import Qwen2VisionTransformer
 
@@ -250,3 +250,19 @@ def test_full_siglip_model_checkpoint_loads_only_the_vision_tower(tmp_path):
         want = ref.vision_model(pixel_values=pv).last_hidden_state[0]
     got = model.encode([model.prepare(_item(image), 0)])[0].embedding
     assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name, gone, param", [
+    ("qwen2_vl", "visual.blocks.1.norm2.weight", r"blocks\.1\.norm2\.weight"),
+    ("siglip", "post_layernorm.bias", r"post_layernorm\.bias"),
+])
+def test_a_missing_tower_tensor_is_named(checkpoints, tmp_path, name, gone, param):
+    dirs, _ = checkpoints
+    src = dirs[name]["hub"]
+    dst = tmp_path / name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = {k: v.clone() for k, v in CheckpointReader(src)}
+    del state[gone]
+    save_file(state, str(dst / "model.safetensors"))
+    with pytest.raises(MissingWeightsError, match=param):
+        build_encoder_model(dst, device="cpu", dtype=torch.float32)

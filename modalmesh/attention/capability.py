@@ -77,6 +77,12 @@ class BackendSpec:
     cast_dtype: torch.dtype | None = None
     page_size_multiple: int = 1  # paged KV: page size must be a multiple of this
     reference: bool = False  # the test oracle: never auto-selected while anything else serves
+    # Its decode reads lengths and pages from device tensors only (no host synchronisation), so a
+    # decode step through it can be captured in a CUDA graph and replayed (services/llm/graphs.py).
+    graph_safe: bool = False
+    # It materialises the (S_q, S_k) score matrix: memory grows with the square of the sequence
+    # (the VAE's untiled-decode memory estimate counts it).
+    score_matrix: bool = False
 
     def targets_for(self, platform) -> tuple[list[Target], list[str]]:
         matching, reasons = [], []

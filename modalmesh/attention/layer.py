@@ -18,7 +18,7 @@ Metadata may also come from ``with attention_metadata(meta):`` around the model 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -27,10 +27,6 @@ from modalmesh.attention.capability import Needs
 from modalmesh.attention.metadata import PagedMetadata, VarlenMetadata, current_metadata
 from modalmesh.attention.paged import check_cache, store_kv
 from modalmesh.attention.selector import AttentionSelector, current_selector
-
-# rotary(q, k, positions) -> (q, k). positions: (S,) for dense calls (shared by the batch),
-# (T,) int64 for packed/paged (position within the sequence, prefix included).
-RotaryApplier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Attention(nn.Module):
@@ -45,7 +41,6 @@ class Attention(nn.Module):
         causal: bool = False,
         window: tuple[int, int] | None = None,
         scale: float | None = None,
-        rotary: RotaryApplier | None = None,
         layouts: Iterable[str] = ("dense",),
         page_size: int | None = None,
         dtype: torch.dtype | None = None,
@@ -65,7 +60,6 @@ class Attention(nn.Module):
         self.causal = causal
         self.window = tuple(window) if window is not None and tuple(window) != (-1, -1) else None
         self.scale = float(scale) if scale is not None else head_dim**-0.5
-        self.rotary = rotary
         self.needs = Needs(
             dtype=dtype or torch.get_default_dtype(),
             head_dim=head_dim,
@@ -107,9 +101,6 @@ class Attention(nn.Module):
         elif isinstance(meta, VarlenMetadata):
             layout = "varlen"
         tokens = self._check(layout, q, k, v, meta, kv_cache)
-        if self.rotary is not None:
-            positions = torch.arange(q.shape[1], device=q.device) if layout == "dense" else meta.positions
-            q, k = self.rotary(q, k, positions)
         page_size = kv_cache[0].shape[1] if layout == "paged" else None
         offset = layout == "dense" and self.causal and q.shape[1] != k.shape[1]
         route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size, offset)

@@ -1,9 +1,10 @@
 """The backend registry: name -> capability record + lazily imported implementation.
 
-Registering a backend imports nothing. `probe(name)` imports its module, builds
-the backend and lets it import its kernel; any exception on the way (a missing
-wheel, a wheel built for another GPU, an ABI mismatch) is caught and kept as the
-reason the backend is unavailable. Probing therefore never raises, at import or
+Registering a backend imports nothing. The built-in records (builtin_backends.py,
+data only) are registered when this module is imported. `probe(name)` imports the
+module its record's ``loader`` names, builds the backend and lets it import its
+kernel; any exception on the way (a missing wheel, a wheel built for another GPU,
+an ABI mismatch) is caught and kept as the reason the backend is unavailable. Probing therefore never raises, at import or
 at model-registration time, and runs at most once per backend per process.
 """
 
@@ -14,6 +15,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from modalmesh.attention.builtin_backends import BUILTIN_SPECS
 from modalmesh.attention.capability import BackendSpec
 
 log = logging.getLogger(__name__)
@@ -59,18 +61,15 @@ def unregister(name: str) -> None:
 
 def names() -> tuple[str, ...]:
     """Registered backend names, in registration order."""
-    _ensure_builtins()
     return tuple(_SPECS)
 
 
 def spec(name: str) -> BackendSpec:
-    _ensure_builtins()
     return _SPECS[name]
 
 
 def probe(name: str) -> Probe:
     """Load backend `name` once; never raises (an unknown name is a KeyError)."""
-    _ensure_builtins()
     with _LOCK:
         cached = _PROBES.get(name)
         if cached is not None:
@@ -108,12 +107,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else "(no message)"
 
 
-_BUILTINS_LOADED = False
+def _register_builtins() -> None:
+    for builtin in BUILTIN_SPECS:
+        register(builtin)
 
 
-def _ensure_builtins() -> None:
-    # The built-in registrations live in backends/__init__.py; importing it imports no kernel.
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        importlib.import_module("modalmesh.attention.backends")
+_register_builtins()

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,6 +53,7 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)     # checkpoint names dropped by a mapper rule
     unexpected: list[str] = field(default_factory=list)  # only non-empty when strict=False
     missing: list[str] = field(default_factory=list)     # only non-empty when strict=False
+    opened_files: list[Path] = field(default_factory=list)  # checkpoint files whose bytes were read
     bytes: int = 0
     seconds: float = 0.0
     dummy: bool = False
@@ -221,6 +223,8 @@ def load_weights(
         if strict:
             _raise_missing(missing, targets, seen_names)
         report.missing = missing
+    if isinstance(weights, CheckpointReader):
+        report.opened_files = list(weights.opened_files)
     if _device_of(model).type == "cuda":
         torch.cuda.synchronize()
     report.seconds = time.perf_counter() - start

@@ -14,7 +14,8 @@ any other shard id (None, "qkv_per_head") means "the whole fused tensor".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -51,6 +52,22 @@ def set_weight_loader(param: torch.nn.Parameter, loader: WeightLoader, shard_ids
     param.weight_loader = loader
     if shard_ids:
         param.shard_ids = tuple(shard_ids)
+
+
+def set_weight_loaders(model: torch.nn.Module, rules: Iterable[tuple[str, WeightLoader]]) -> int:
+    """Attach the loader of the first matching (parameter-name glob, weight_loader) rule to each parameter.
+
+    Format rules as data (a 1x1-conv kernel stored for a linear weight, say), so the model has no
+    format branch. Returns how many parameters got a loader.
+    """
+    rules = tuple(rules)
+    count = 0
+    for name, param in model.named_parameters():
+        loader = next((loader for pattern, loader in rules if fnmatch.fnmatchcase(name, pattern)), None)
+        if loader is not None:
+            set_weight_loader(param, loader)
+            count += 1
+    return count
 
 
 def narrow_checked(loaded: torch.Tensor, dim: int, full: int, start: int, size: int, what: str,

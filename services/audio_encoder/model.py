@@ -37,8 +37,9 @@ import torch
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, InvalidArgument
+from modalmesh.models import build_and_load, pick
 from modalmesh.rpc.codec import from_proto
-from modalmesh.weights import CheckpointReader, LoadReport, load_dummy_weights, load_weights
+from modalmesh.weights import LoadReport
 from services.audio_encoder.audio import (
     DEFAULT_RESAMPLER,
     Resampler,
@@ -48,7 +49,13 @@ from services.audio_encoder.audio import (
     pcm_audio,
 )
 from services.audio_encoder.features import FeatureConfig, LogMel
-from services.audio_encoder.models import AudioEncoderDims, Qwen2AudioTower, WhisperAudioEncoder
+from services.audio_encoder.models import (
+    ARCHITECTURES,
+    AudioEncoderDims,
+    AudioTowerConfig,
+    Qwen2AudioTower,
+    WhisperAudioEncoder,
+)
 from services.audio_encoder.models.qwen2_audio import output_rows
 from services.audio_encoder.models.whisper import conv_output_lengths
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
@@ -84,8 +91,7 @@ class AudioEncoderModel(EncoderModel):
 
     def __init__(self, module: WhisperAudioEncoder | Qwen2AudioTower, features: FeatureConfig, *,
                  device: torch.device | str, dtype: torch.dtype, options: AudioOptions | None = None,
-                 resampler: Resampler = DEFAULT_RESAMPLER, load_report: LoadReport | None = None,
-                 opened_files: list[Path] | None = None):
+                 resampler: Resampler = DEFAULT_RESAMPLER, load_report: LoadReport | None = None):
         self.module = module.eval()
         self.dims: AudioEncoderDims = module.dims
         self.packed = isinstance(module, Qwen2AudioTower)
@@ -99,7 +105,7 @@ class AudioEncoderModel(EncoderModel):
         self.logmel = LogMel(features)
         self.resampler = resampler
         self.load_report = load_report
-        self.opened_files = opened_files or []
+        self.opened_files: list[Path] = load_report.opened_files if load_report is not None else []
         if features.nb_max_frames != self.dims.window_frames:
             raise ConfigError(f"the feature extractor makes {features.nb_max_frames} frames per window; "
                               f"the encoder takes {self.dims.window_frames}")
@@ -209,15 +215,17 @@ class AudioEncoderModel(EncoderModel):
 # ---- building ---------------------------------------------------------------------------------
 
 
-def _audio_config(model_dir) -> tuple[str, ModelConfig, ModelConfig]:
-    """(architecture, audio part, text part). Whisper keeps its encoder keys at the top level."""
-    text = ModelConfig.from_hf(model_dir)
-    if text.model_type == "whisper":
-        return "whisper", text, text
-    if text.model_type == "qwen2_audio":
-        return "qwen2_audio", ModelConfig.from_hf(model_dir, part="audio"), text
-    raise ConfigError(f"{model_dir}: model type {text.model_type!r} ({', '.join(text.architectures) or '?'}) has no "
-                      "audio tower this service serves (Whisper, Qwen2-Audio)")
+def audio_config(model_dir, checkpoint: ModelConfig) -> AudioTowerConfig:
+    """The encoder's part: Qwen2-Audio's ``audio_config``, or the top level, where Whisper keeps its keys."""
+    try:
+        audio = ModelConfig.from_hf(model_dir, part="audio")
+    except ConfigError:
+        audio = checkpoint
+    try:
+        dims = AudioEncoderDims.from_config(audio)
+    except ValueError as e:
+        raise ConfigError(f"{model_dir}: {e}") from None
+    return AudioTowerConfig(checkpoint.architectures, checkpoint.model_type, dims, checkpoint.hidden_size)
 
 
 def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -227,27 +235,13 @@ def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype:
     `metrics`: where the weight-load gauges go (None: the process's installed Metrics).
     """
     opts = AudioOptions.from_dict(options)
-    arch, audio_cfg, text_cfg = _audio_config(model_dir)
-    try:
-        dims = AudioEncoderDims.from_config(audio_cfg)
-    except ValueError as e:
-        raise ConfigError(f"{model_dir}: {e}") from None
-    with torch.device("meta"):
-        if arch == "whisper":
-            module = WhisperAudioEncoder(dims, dtype=dtype)
-        else:
-            module = Qwen2AudioTower(dims, text_cfg.hidden_size, dtype=dtype)
-    opened: list[Path] = []
-    if dummy:
-        report = load_dummy_weights(module, device=device, dtype=dtype, metrics=metrics)
-    else:
-        reader = CheckpointReader(model_dir, prefixes=module.checkpoint_prefixes)
-        report = load_weights(module, reader, module.mapper, module.stacked, device=device, dtype=dtype,
-                              metrics=metrics)
-        opened = reader.opened_files
+    checkpoint = ModelConfig.from_hf(model_dir)
+    cls = pick(checkpoint, ARCHITECTURES, what="audio tower")
+    cfg = audio_config(model_dir, checkpoint)
+    dims = cfg.dims
+    module, report = build_and_load(cls, cfg, model_dir, device=device, dtype=dtype, dummy=dummy, metrics=metrics)
     features = FeatureConfig.from_dir(model_dir, dims.n_mels)
-    model = AudioEncoderModel(module, features, device=device, dtype=dtype, options=opts, load_report=report,
-                              opened_files=opened)
+    model = AudioEncoderModel(module, features, device=device, dtype=dtype, options=opts, load_report=report)
     if opts.warmup:
         model.warmup()
     log.info("%s from %s: %d layers, d_model %d, %d mel bins -> rows of %d; %s", model.architecture, model_dir,

@@ -8,8 +8,9 @@ bucket: padding rows have context length 0 and write their k/v to rank 0's
 scratch page — and replays. Under tensor parallelism every rank captures the
 same buckets in the same order, all-reduces included, and replays the bucket
 named in the step's inputs. This removes the per-layer Python and launch
-overhead that dominates small-batch decode. Needs a graph-safe attention
-backend (`triton_paged`: device-side lengths, no host synchronisation).
+overhead that dominates small-batch decode. Needs attention backends whose
+records say ``graph_safe`` (`triton_paged`: device-side lengths, no host
+synchronisation).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from modalmesh.attention import PagedMetadata
 from services.llm.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
-
-GRAPH_SAFE_BACKENDS = frozenset({"triton_paged"})
 
 
 def buckets(max_batch: int) -> list[int]:

@@ -3,10 +3,11 @@
     model, cfg, report = load_llm("/models/Qwen2-VL-7B-Instruct", device="cuda", dtype=torch.bfloat16,
                                   selector=AttentionSelector("llm=fa3", device="cuda"))
 
-The model is built on the meta device (no memory), then only the language
-model's tensors are read (the family's ``checkpoint_prefixes``: a multimodal
-checkpoint's vision / audio towers are never opened), mapped by its rules and
-copied strictly into parameters materialised on `device` in `dtype`.
+The family is picked from ``models.ARCHITECTURES`` and built on the meta device
+(no memory), then only the language model's tensors are read (the family's
+``checkpoint_prefixes``: a multimodal checkpoint's vision / audio towers are never
+opened), mapped by its rules and copied strictly into parameters materialised on
+`device` in `dtype` (modalmesh/models.py).
 ``dummy=True`` gives random weights of the same shapes (benchmarks). The
 attention selector is the caller's (each TP rank builds one from the service's
 config); without one, a selector with automatic choices for `device` is built
@@ -23,8 +24,9 @@ import torch
 from modalmesh.attention import AttentionSelector
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
-from modalmesh.weights import LoadReport, load_checkpoint
-from services.llm.models import CausalLM, model_class
+from modalmesh.models import build_and_load, pick
+from modalmesh.weights import LoadReport
+from services.llm.models import ARCHITECTURES, CausalLM
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -47,12 +49,10 @@ def load_llm(model_dir: str | Path, *, device: torch.device | str, dtype: torch.
              page_size: int = 16, dummy: bool = False, selector: AttentionSelector | None = None,
              fused_kernels: bool = False) -> tuple[CausalLM, ModelConfig, LoadReport]:
     cfg = ModelConfig.from_hf(model_dir)
-    cls = model_class(cfg)
+    cls = pick(cfg, ARCHITECTURES, what="language model")
     dtype = resolve_dtype(dtype, cfg)
     if selector is None:
         selector = AttentionSelector("", device=device)
-    with torch.device("meta"):
-        model = cls(cfg, selector=selector, dtype=dtype, page_size=page_size, fused_kernels=fused_kernels)
-    report = load_checkpoint(model, model_dir, mapper=cls.weights_mapper, stacked=cls.stacked_params,
-                             prefixes=cls.checkpoint_prefixes, device=device, dtype=dtype, dummy=dummy)
-    return model.eval(), cfg, report
+    model, report = build_and_load(cls, cfg, model_dir, device=device, dtype=dtype, dummy=dummy,
+                                   selector=selector, page_size=page_size, fused_kernels=fused_kernels)
+    return model, cfg, report

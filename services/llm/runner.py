@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from modalmesh import distributed
-from modalmesh.attention import Attention, AttentionSelector, PagedMetadata
+from modalmesh.attention import Attention, AttentionSelector, PagedMetadata, registry
 from modalmesh.errors import ConfigError
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.metrics import Metrics
 from services.llm.config import LLMConfig
-from services.llm.graphs import GRAPH_SAFE_BACKENDS, DecodeGraphs
+from services.llm.graphs import DecodeGraphs
 from services.llm.loader import load_llm
 from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
@@ -152,7 +152,7 @@ class ModelRunner:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):
             return None
         backends = {m.backend_name for m in self.model.modules() if isinstance(m, Attention)}
-        if not backends <= GRAPH_SAFE_BACKENDS:
+        if not all(registry.spec(name).graph_safe for name in backends):  # the backends' records say
             log.warning("decode runs eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
                         sorted(backends))
             return None

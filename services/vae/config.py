@@ -75,6 +75,12 @@ class VAEConfig:
     latents_std: tuple[float, ...] | None = None
     force_upcast: bool = True
     norm_eps: float = 1e-6  # diffusers' decoder hard-codes 1e-6
+    class_name: str = SUPPORTED_CLASS  # diffusers' ``_class_name`` (hand-written configs omit it)
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """What a decoder class is picked by (modalmesh.models.pick), as HF configs spell it."""
+        return (self.class_name,)
 
     @property
     def scale_factor(self) -> int:
@@ -135,6 +141,7 @@ class VAEConfig:
             latents_mean=tuple(float(x) for x in mean) if mean is not None else None,
             latents_std=tuple(float(x) for x in std) if std is not None else None,
             force_upcast=bool(raw.get("force_upcast", True)),
+            class_name=str(raw.get("_class_name") or SUPPORTED_CLASS),
         )
         if cfg.out_channels != 3:
             raise ConfigError(f"{source}: out_channels={cfg.out_channels}; only RGB (3) decoders are served")

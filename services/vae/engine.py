@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from modalmesh.attention import registry
 from modalmesh.errors import DeadlineExceeded, ResourceExhausted
 from services.vae.config import VAEConfig
 from services.vae.models.autoencoder_kl import ResnetBlock
@@ -30,8 +31,6 @@ from services.vae.weights import build_decoder, load_decoder
 log = logging.getLogger(__name__)
 
 AUTO, ON, OFF = "auto", "on", "off"
-# Backends that materialise the (S, S) score matrix (memory grows with the square of h*w).
-_QUADRATIC_BACKENDS = {"sdpa_math", "torch_naive"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,8 @@ class VAEEngine:
             self.model.to(memory_format=torch.channels_last)
         attn = self.attention_layer()
         self.attention_backend = attn.backend_name if attn is not None else "none"
+        # A backend that materialises the (S, S) score matrix: memory grows with the square of h*w.
+        self.attention_score_matrix = attn is not None and registry.spec(attn.backend_name).score_matrix
 
     @classmethod
     def load(cls, vae_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
@@ -114,7 +115,7 @@ class VAEEngine:
             side = 2 ** (level + (1 if level < len(channels) - 1 else 0))
             peak = max(peak, c * h * w * side * side)
         need = 3 * peak * elt * batch  # input, output and a norm/activation temporary
-        if self.cfg.mid_block_add_attention and self.attention_backend in _QUADRATIC_BACKENDS:
+        if self.attention_score_matrix:
             heads = self.cfg.block_out_channels[-1] // self.cfg.attention_head_dim
             need += 2 * batch * heads * (h * w) ** 2 * 4
         return need

@@ -29,7 +29,7 @@ from PIL import Image
 from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
-from modalmesh.weights import load_checkpoint
+from modalmesh.models import build_and_load, pick
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.decode_memory import (
     DEFAULT_DECODE_MEMORY,
@@ -37,7 +37,7 @@ from services.vision_encoder.decode_memory import (
     DecodeBudget,
     peak_bytes,
 )
-from services.vision_encoder.models import SiglipVisionTower, tower_class
+from services.vision_encoder.models import ARCHITECTURES, SiglipVisionTower
 
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
@@ -76,17 +76,11 @@ class VisionEncoderModel(EncoderModel):
         self.device = torch.device(device)
         self.dtype = dtype
         cfg = vision_config(model_dir)
-        cls = tower_class(cfg)
+        cls = pick(cfg, ARCHITECTURES, what="vision tower")
         self.architecture = cfg.architectures[0] if cfg.architectures else cfg.model_type
         kwargs = {"output": self.options["siglip_output"]} if cls is SiglipVisionTower else {}
-        with torch.device("meta"):
-            self.tower = cls(cfg, dtype=dtype, **kwargs)
-        self.load_report = load_checkpoint(
-            self.tower, model_dir, mapper=self.tower.mapper, stacked=self.tower.stacked,
-            prefixes=cls.checkpoint_prefixes, device=self.device, dtype=dtype, dummy=dummy,
-            metrics=metrics,
-        )
-        self.tower.eval()
+        self.tower, self.load_report = build_and_load(cls, cfg, model_dir, device=self.device, dtype=dtype,
+                                                      dummy=dummy, metrics=metrics, **kwargs)
         self.native = cls.processor_kind == "qwen2_vl"
         self.hidden_size = self.tower.dim if self.native else self.tower.hidden_size
         self.output_hidden_size = self.tower.out_hidden_size

@@ -1,6 +1,6 @@
 """Qwen2-Audio audio tower (Whisper-style encoder + average pooling) and its projector to the LLM width.
 
-    model = Qwen2AudioTower(dims, text_hidden_size)
+    model = Qwen2AudioTower(AudioTowerConfig(architectures, model_type, dims, text_hidden_size))
     rows = model(mel, lengths)      # (B, n_mels, F), positions per window -> (sum(lengths // 2), text_hidden)
 
 The reference (transformers' Qwen2AudioModel) runs the tower on full 30 s
@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from modalmesh.layers import ReplicatedLinear
+from modalmesh.models import CheckpointModel
 from modalmesh.weights import WeightsMapper
-from services.audio_encoder.models.whisper import LAYER_RENAMES, QKV, AudioEncoderDims, WhisperEncoder
+from services.audio_encoder.models.whisper import LAYER_RENAMES, QKV, AudioTowerConfig, WhisperEncoder
 
 
 def output_rows(mel_frames: torch.Tensor | int):
@@ -41,19 +42,21 @@ class Qwen2AudioProjector(nn.Module):
         return self.linear(x)
 
 
-class Qwen2AudioTower(nn.Module):
+class Qwen2AudioTower(nn.Module, CheckpointModel):
+    architectures = ("Qwen2AudioForConditionalGeneration",)
+    model_types = ("qwen2_audio",)
     checkpoint_prefixes = ("audio_tower.", "multi_modal_projector.",
                            "model.audio_tower.", "model.multi_modal_projector.")
-    mapper = WeightsMapper(prefix={"model.audio_tower.": "audio_tower.",
-                                   "model.multi_modal_projector.": "multi_modal_projector."}) | LAYER_RENAMES
-    stacked = QKV
+    weights_mapper = WeightsMapper(prefix={"model.audio_tower.": "audio_tower.",
+                                           "model.multi_modal_projector.": "multi_modal_projector."}) | LAYER_RENAMES
+    stacked_params = QKV
     pool = 2
 
-    def __init__(self, dims: AudioEncoderDims, text_hidden_size: int, *, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None):
         super().__init__()
-        self.dims = dims
-        self.audio_tower = WhisperEncoder(dims, layout="varlen", dtype=dtype)
-        self.multi_modal_projector = Qwen2AudioProjector(dims.d_model, text_hidden_size)
+        self.dims = cfg.dims
+        self.audio_tower = WhisperEncoder(cfg.dims, layout="varlen", dtype=dtype)
+        self.multi_modal_projector = Qwen2AudioProjector(cfg.dims.d_model, cfg.text_hidden_size)
 
     @property
     def output_hidden_size(self) -> int:

@@ -1,8 +1,7 @@
 """Whisper encoder: conv stem, sinusoidal positions, pre-LN transformer (transformers' WhisperEncoder).
 
-    with torch.device("meta"):
-        model = WhisperAudioEncoder(AudioEncoderDims.from_config(cfg), dtype=torch.bfloat16)
-    load_checkpoint(model, dir, prefixes=model.checkpoint_prefixes, mapper=model.mapper, stacked=model.stacked)
+    cfg = audio_config(dir, ModelConfig.from_hf(dir))       # services/audio_encoder/model.py
+    model, report = build_and_load(WhisperAudioEncoder, cfg, dir, device="cuda", dtype=torch.bfloat16)
     hidden = model(mel)                       # (B, n_mels, 3000) -> (B, 1500, d_model)
 
 `WhisperEncoder` is shared with Qwen2-Audio's audio tower, which runs it packed
@@ -25,6 +24,7 @@ from torch import nn
 from modalmesh.attention import Attention, VarlenMetadata, attention_metadata
 from modalmesh.config import ModelConfig
 from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear
+from modalmesh.models import CheckpointModel
 from modalmesh.weights import StackedMapping, WeightsMapper
 from modalmesh.weights.param import set_weight_loader
 
@@ -73,6 +73,17 @@ class AudioEncoderDims:
             max_source_positions=int(positions),
             act=str(cfg.get("activation_function") or cfg.hidden_act or "gelu"),
         )
+
+
+@dataclass(frozen=True)
+class AudioTowerConfig:
+    """An audio checkpoint as the towers take it: the names a tower is picked by, the encoder's
+    dims, and the language model's width (what Qwen2-Audio's projector maps to)."""
+
+    architectures: tuple[str, ...]
+    model_type: str
+    dims: AudioEncoderDims
+    text_hidden_size: int
 
 
 def conv_output_lengths(mel_frames: torch.Tensor | int):
@@ -186,17 +197,19 @@ class WhisperEncoder(nn.Module):
         return self.layer_norm(h)
 
 
-class WhisperAudioEncoder(nn.Module):
+class WhisperAudioEncoder(nn.Module, CheckpointModel):
     """The encoder of any Whisper checkpoint (only ``model.encoder.*`` is read)."""
 
+    architectures = ("WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification")
+    model_types = ("whisper",)
     checkpoint_prefixes = ("model.encoder.", "encoder.")
-    mapper = WeightsMapper(prefix={"model.encoder.": "encoder."}) | LAYER_RENAMES
-    stacked = QKV
+    weights_mapper = WeightsMapper(prefix={"model.encoder.": "encoder."}) | LAYER_RENAMES
+    stacked_params = QKV
 
-    def __init__(self, dims: AudioEncoderDims, *, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None):
         super().__init__()
-        self.dims = dims
-        self.encoder = WhisperEncoder(dims, layout="dense", dtype=dtype)
+        self.dims = cfg.dims
+        self.encoder = WhisperEncoder(cfg.dims, layout="dense", dtype=dtype)
 
     @property
     def output_hidden_size(self) -> int:

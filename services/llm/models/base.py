@@ -11,9 +11,10 @@ where their k/v go in the pool; ``kv_caches[i]`` is the pool's ``.layer(i)``.
 Positions are (T,), or (3, T) for M-RoPE models (a (T,) tensor is accepted there
 too: text-only tokens have equal positions on the three axes).
 
-A family declares, as class data, which HF architectures it serves, which
-checkpoint tensors it reads (`checkpoint_prefixes`: vision/audio towers are
-never opened) and how names map (`weights_mapper`, `stacked_params`).
+A family declares, as class data (modalmesh.models.CheckpointModel), which HF
+architectures it serves, which checkpoint tensors it reads (`checkpoint_prefixes`:
+vision/audio towers are never opened) and how names map (`weights_mapper`,
+`stacked_params`).
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ from modalmesh.attention import AttentionSelector, PagedMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.layers.rotary import RotaryEmbedding
+from modalmesh.models import CheckpointModel
 from modalmesh.weights import LEGACY_BUFFERS, QKV_GATE_UP, StackedMapping, WeightsMapper
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-class CausalLM(nn.Module):
-    architectures: ClassVar[tuple[str, ...]] = ()  # HF `architectures` entries served
-    model_types: ClassVar[tuple[str, ...]] = ()  # HF `model_type`s served (fallback when architectures is absent)
+class CausalLM(nn.Module, CheckpointModel):
     uses_mrope: ClassVar[bool] = False
     checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("model.", "lm_head.")
     weights_mapper: ClassVar[WeightsMapper] = LEGACY_BUFFERS

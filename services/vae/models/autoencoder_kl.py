@@ -2,8 +2,19 @@
 
 Module names follow diffusers' (``decoder.mid_block.attentions.0.to_q``,
 ``decoder.up_blocks.0.upsamplers.0.conv``, ``post_quant_conv``) so its checkpoints
-load by name; older spellings are rewritten by the loader rules in
-services/vae/weights.py. Attention goes through `modalmesh.attention`.
+load by name. How checkpoints map onto it is class data (modalmesh/models.py):
+
+* Only ``decoder.*`` and ``post_quant_conv.*`` are read (``checkpoint_prefixes``):
+  encoder and quant-conv tensors stay on disk.
+* `LEGACY_ATTENTION` (``weights_mapper``): diffusers < 0.14 named the mid-block
+  attention ``query`` / ``key`` / ``value`` / ``proj_attn``; today it is ``to_q`` /
+  ``to_k`` / ``to_v`` / ``to_out.0`` (what diffusers' own
+  ``_convert_deprecated_attention_blocks`` does).
+* ``weight_loaders``: some checkpoints store those projections as 1x1 convolution
+  weights ``(C, C, 1, 1)``; the parameters are linears ``(C, C)``. The rule is a
+  ``weight_loader`` on the matching parameters, so the model has no format branch.
+
+Attention goes through `modalmesh.attention`.
 
     model = AutoencoderKLDecoder(cfg, dtype=torch.float32)
     pixels = model(z)            # z as AutoencoderKL.decode takes it -> (B, 3, 8h, 8w) in about [-1, 1]
@@ -16,7 +27,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from modalmesh.attention import Attention
+from modalmesh.models import CheckpointModel
+from modalmesh.weights import WeightMismatchError, WeightsMapper, default_weight_loader
 from services.vae.config import VAEConfig
+
+_ATTN = r"(\.mid_block\.attentions\.\d+)\."
+# WeightsMapper applies only the first matching regex per name, and each name matches one of these.
+LEGACY_ATTENTION = WeightsMapper(regex=(
+    (_ATTN + r"query\.", r"\1.to_q."),
+    (_ATTN + r"key\.", r"\1.to_k."),
+    (_ATTN + r"value\.", r"\1.to_v."),
+    (_ATTN + r"proj_attn\.", r"\1.to_out.0."),
+))
+
+
+def conv1x1_as_linear(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Load a linear weight from either a (out, in) matrix or an (out, in, 1, 1) 1x1-conv kernel."""
+    if loaded.dim() == 4:
+        if tuple(loaded.shape[2:]) != (1, 1):
+            raise WeightMismatchError(f"a {list(loaded.shape)} kernel is not a 1x1 convolution")
+        loaded = loaded[:, :, 0, 0]
+    default_weight_loader(param, loaded, shard_id)
 
 
 class ResnetBlock(nn.Module):
@@ -118,8 +149,16 @@ class Decoder(nn.Module):
         return self.conv_out(F.silu(self.conv_norm_out(x)))
 
 
-class AutoencoderKLDecoder(nn.Module):
+class AutoencoderKLDecoder(nn.Module, CheckpointModel):
     """post_quant_conv (when the config has one) followed by the decoder: AutoencoderKL.decode's math."""
+
+    architectures = ("AutoencoderKL",)
+    checkpoint_prefixes = ("decoder.", "post_quant_conv.")
+    weights_mapper = LEGACY_ATTENTION
+    weight_loaders = (
+        ("decoder.mid_block.attentions.*.to_[qkv].weight", conv1x1_as_linear),
+        ("decoder.mid_block.attentions.*.to_out.0.weight", conv1x1_as_linear),
+    )
 
     def __init__(self, cfg: VAEConfig, *, dtype: torch.dtype | None = None, seqlen_hint: int | None = None):
         super().__init__()

@@ -1,34 +1,22 @@
-"""Vision towers, one file per architecture, and how a checkpoint picks one.
+"""Vision towers, one file per architecture; the service picks one from ``ARCHITECTURES``.
 
-Each tower class declares, as data: the ``architectures`` / ``model_types`` it serves,
-its ``processor_kind`` (see preprocess.py), the ``checkpoint_prefixes`` that hold its
-tensors in a full multimodal checkpoint (the reader opens nothing else), and its
-weight-name ``mapper`` / ``stacked`` rules.
+Each tower class declares, as data (modalmesh.models.CheckpointModel): the ``architectures`` /
+``model_types`` it serves, the ``checkpoint_prefixes`` that hold its tensors in a full
+multimodal checkpoint (the reader opens nothing else), its ``weights_mapper`` /
+``stacked_params`` rules, and its ``processor_kind`` (see preprocess.py).
+
+    common.py       patch embedding as a linear layer, 2-D rotary, checkpoint name spellings
+    qwen2_vl.py     Qwen2-VL: native resolution, packed attention, 2x2 merger
+    qwen2_5_vl.py   Qwen2.5-VL: Qwen2-VL with window attention, RMSNorm, gated MLP
+    siglip.py       SigLIP: fixed resolution, optional attention-pooling head
 """
 
 from __future__ import annotations
 
-from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError
 from services.vision_encoder.models.qwen2_5_vl import Qwen2_5VisionTransformer
 from services.vision_encoder.models.qwen2_vl import Qwen2VisionTransformer
 from services.vision_encoder.models.siglip import SiglipVisionTower
 
-TOWERS = (Qwen2VisionTransformer, Qwen2_5VisionTransformer, SiglipVisionTower)
+ARCHITECTURES = (Qwen2VisionTransformer, Qwen2_5VisionTransformer, SiglipVisionTower)
 
-
-def tower_class(cfg: ModelConfig) -> type:
-    """The tower for a checkpoint: by architecture name first, then by model_type."""
-    for arch in cfg.architectures:
-        for tower in TOWERS:
-            if arch in tower.architectures:
-                return tower
-    for tower in TOWERS:
-        if cfg.model_type in tower.model_types:
-            return tower
-    known = sorted({a for t in TOWERS for a in t.architectures})
-    raise ConfigError(f"no vision tower for architectures {list(cfg.architectures)} / model_type "
-                      f"{cfg.model_type!r}; supported: {', '.join(known)}")
-
-
-__all__ = ["TOWERS", "Qwen2VisionTransformer", "Qwen2_5VisionTransformer", "SiglipVisionTower", "tower_class"]
+__all__ = ["ARCHITECTURES", "Qwen2VisionTransformer", "Qwen2_5VisionTransformer", "SiglipVisionTower"]

@@ -13,17 +13,9 @@ from torch import nn
 
 from modalmesh.layers import ReplicatedLinear
 from modalmesh.layers.rotary import rotate_half
-from modalmesh.weights import StackedMapping, WeightsMapper
+from modalmesh.weights import WeightsMapper
 from modalmesh.weights.param import default_weight_loader
 
-# Fused attention projections: q/k/v_proj shards into qkv_proj; gate/up into gate_up_proj.
-VISION_STACKED = StackedMapping([
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-])
 # Spellings of the fused qkv and the output projection across checkpoints.
 ATTENTION_NAMES = WeightsMapper(
     substr={".attn.qkv.": ".attn.qkv_proj.", ".attn.out_proj.": ".attn.proj.",

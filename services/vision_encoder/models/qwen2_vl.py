@@ -22,10 +22,10 @@ from modalmesh.config import ModelConfig
 from modalmesh.layers import MLP, ColumnParallelLinear, LayerNorm, QKVParallelLinear, RowParallelLinear
 from modalmesh.layers.linear import divide
 from modalmesh.layers.mlp import get_activation
-from modalmesh.weights import WeightsMapper
+from modalmesh.models import CheckpointModel
+from modalmesh.weights import QKV_GATE_UP, WeightsMapper
 from services.vision_encoder.models.common import (
     ATTENTION_NAMES,
-    VISION_STACKED,
     PatchEmbed,
     VisionRotary2D,
     apply_rotary,
@@ -104,7 +104,7 @@ class PatchMerger(nn.Module):
         return self.fc2(self.act(self.fc1(self.ln_q(x).view(-1, self.hidden))))
 
 
-class Qwen2VisionTransformer(nn.Module):
+class Qwen2VisionTransformer(nn.Module, CheckpointModel):
     """``visual.*`` of Qwen2VLForConditionalGeneration."""
 
     architectures = ("Qwen2VLForConditionalGeneration", "Qwen2VLModel")
@@ -112,11 +112,11 @@ class Qwen2VisionTransformer(nn.Module):
     processor_kind = "qwen2_vl"
     # Hub (transformers 4) layout visual.*, transformers 5 model.visual.*; only these tensors are opened.
     checkpoint_prefixes = ("visual.", "model.visual.")
-    mapper = WeightsMapper(
+    weights_mapper = WeightsMapper(
         prefix={"model.visual.": "", "visual.": ""},
         substr={"patch_embed.proj.": "patch_embed.", "merger.mlp.0.": "merger.fc1.", "merger.mlp.2.": "merger.fc2."},
     ) | ATTENTION_NAMES
-    stacked = VISION_STACKED
+    stacked_params = QKV_GATE_UP
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None):
         super().__init__()

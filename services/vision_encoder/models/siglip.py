@@ -20,9 +20,10 @@ from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear
 from modalmesh.layers.linear import divide
-from modalmesh.weights import WeightsMapper
+from modalmesh.models import CheckpointModel
+from modalmesh.weights import QKV_GATE_UP, WeightsMapper
 from modalmesh.weights.param import default_weight_loader, set_weight_loader
-from services.vision_encoder.models.common import ATTENTION_NAMES, VISION_STACKED, PatchEmbed
+from services.vision_encoder.models.common import ATTENTION_NAMES, PatchEmbed
 
 COMPONENT = "vision_encoder"
 OUTPUTS = ("patch", "pooled", "both")
@@ -115,7 +116,7 @@ class SiglipPoolingHead(nn.Module):
         return h + self.mlp(self.layernorm(h))  # (B, 1, dim)
 
 
-class SiglipVisionTower(nn.Module):
+class SiglipVisionTower(nn.Module, CheckpointModel):
     """``SiglipVisionModel`` (transformers 5 layout at the top level; ``vision_model.*`` in SigLIP /
     hub checkpoints; ``vision_tower.vision_model.*`` in PaliGemma-style VLMs)."""
 
@@ -124,11 +125,11 @@ class SiglipVisionTower(nn.Module):
     processor_kind = "fixed"
     checkpoint_prefixes = ("embeddings.", "encoder.", "post_layernorm.", "head.", "vision_model.",
                            "vision_tower.vision_model.", "model.vision_tower.vision_model.")
-    mapper = WeightsMapper(
+    weights_mapper = WeightsMapper(
         prefix={"model.vision_tower.vision_model.": "", "vision_tower.vision_model.": "", "vision_model.": ""},
         skip_suffixes=("position_ids",),
     ) | ATTENTION_NAMES
-    stacked = VISION_STACKED
+    stacked_params = QKV_GATE_UP
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, output: str = "patch"):
         super().__init__()
@@ -151,7 +152,7 @@ class SiglipVisionTower(nn.Module):
         if output != "patch":
             self.head = SiglipPoolingHead(cfg, dtype=dtype, seqlen_hint=self.num_patches)
         elif has_head:  # patch rows only: the head's tensors are not needed, by rule
-            self.mapper = type(self).mapper | WeightsMapper(skip_prefixes=("head.",))
+            self.weights_mapper = type(self).weights_mapper | WeightsMapper(skip_prefixes=("head.",))
 
     @property
     def rows_per_image(self) -> int:
