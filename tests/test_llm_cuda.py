@@ -102,22 +102,59 @@ def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family, fused
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt_neox", "qwen2_vl"])
-def test_cuda_graph_decode_equals_eager_decode(root, family):
+def test_cuda_graph_steps_equal_eager_steps(root, family):
+    """Decode steps (batch buckets) and mixed steps (token buckets: decode rows beside prompt chunks, here
+    from a 24-token budget) replayed from graphs, against eager steps. float32: both then run the same
+    paged kernel per token (bf16 eager steps hand new prompts to a varlen kernel, which rounds otherwise)."""
     from transformers import AutoTokenizer
 
     path = tiny.ensure(family, root)
     tokenizer = AutoTokenizer.from_pretrained(path)
     results = {}
     for graphs in (True, False):
-        engine = _engine(path, tokenizer, torch.bfloat16, cuda_graphs=graphs)
-        assert (engine.runner.graphs is not None) == graphs, "triton_paged should make decode graph-safe"
+        engine = _engine(path, tokenizer, torch.float32, cuda_graphs=graphs)
+        assert (engine.runner.graphs is not None) == graphs, "triton_paged should make steps graph-safe"
+        replays = {"decode": 0, "mixed": 0}
+        if graphs:
+            for kind, g in (("decode", engine.runner.graphs), ("mixed", engine.runner.mixed_graphs)):
+                run = g.run
+                g.run = lambda *a, _run=run, _kind=kind: (replays.__setitem__(_kind, replays[_kind] + 1), _run(*a))[1]
         engine.start()
         try:
             results[graphs] = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 20)  # 5 sequences: a padded bucket
         finally:
             engine.stop()
         assert engine.pool.allocator.used_tokens == 0
+        if graphs:
+            assert replays["decode"] and replays["mixed"], replays
     assert results[True] == results[False]
+
+
+def test_submitting_a_step_never_waits_for_the_device(root):
+    """The engine submits step N+1 while step N runs: nothing on the submit path may synchronise the host
+    with the device (CUDA's sync-debug mode raises on any synchronising call), in decode, mixed and eager
+    steps alike (the largest step here is past the mixed graphs' token buckets)."""
+    from transformers import AutoTokenizer
+
+    path = tiny.ensure("qwen2", root)
+    engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.bfloat16)
+    engine.runner.mixed_graphs.sizes = engine.runner.mixed_graphs.sizes[:1]  # 16 tokens: longer steps eager
+    submit = engine.runner.submit
+
+    def strict(step, previous=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return submit(step, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine.runner.submit = strict
+    engine.start()
+    try:
+        got = _generate(engine, PROMPTS + [[7] * 3, [9, 8]], 12)
+    finally:
+        engine.stop()
+    assert all(len(ids) == 12 for ids in got)
 
 
 def _serve(path, *flags):
@@ -167,7 +204,7 @@ def _tp2_engine_tokens(path, graphs, results):
     from modalmesh import distributed
 
     metrics = Metrics("llm", process_metrics=False)
-    config = LLMConfig(model_dir=path, device_type="cuda", dtype=torch.bfloat16, max_model_len=256,
+    config = LLMConfig(model_dir=path, device_type="cuda", dtype=torch.float32, max_model_len=256,
                        kv_cache_tokens=2048, max_batch_tokens=24, max_num_seqs=8, cuda_graphs=graphs,
                        tensor_parallel_size=2)
     runner = ModelRunner.launch(config, metrics)
@@ -188,8 +225,8 @@ def _tp2_engine_tokens(path, graphs, results):
 @two_gpus
 @pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
 def test_tensor_parallel_graph_replay_equals_eager(root, family):
-    # bf16 over NCCL: decode replayed from CUDA graphs on both ranks (all-reduces captured) against eager
-    # steps, with the same schedule (every request added at once).
+    # float32 over NCCL: decode and mixed steps replayed from CUDA graphs on both ranks (all-reduces
+    # captured) against eager steps, with the same schedule (every request added at once).
     import torch.multiprocessing as mp
 
     path = tiny.ensure(family, root)

@@ -8,6 +8,7 @@ tests read the order straight off the log.
 """
 
 import queue
+import threading
 import types
 
 import pytest
@@ -33,9 +34,12 @@ class ScriptedRunner:
         self.device = "cpu"
         self.scripts, self.log, self.steps = scripts, log, 0
         self.in_flight: dict[str, int] = {}  # request -> steps it was part of
+        self.hold_at, self.release = None, threading.Event()  # submit step `hold_at` only once released
 
     def submit(self, step: Step, previous=None):
         n, self.steps = self.steps, self.steps + 1
+        if n == self.hold_at:
+            assert self.release.wait(30)
         names = sorted(c.seq.seq_id for c in step.chunks)
         for name in names:
             self.in_flight[name] = self.in_flight.get(name, 0) + 1
@@ -166,6 +170,7 @@ def test_an_abort_with_a_step_in_flight_drops_its_token_and_frees_its_pages(toke
     log: list = []
     script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
     engine, runner = _engine(tokenizer, {"a": script, "b": script}, log)
+    runner.hold_at = 2  # step 2 waits to be submitted until the abort is in the inbox: step 1 is in flight
     outs = {"a": queue.Queue(), "b": queue.Queue()}
     for name in outs:
         engine.add(name, PreparedPrompt([5, 6]), SamplingParams(temperature=0.0, max_tokens=9),
@@ -175,6 +180,7 @@ def test_an_abort_with_a_step_in_flight_drops_its_token_and_frees_its_pages(toke
         first = outs["a"].get(timeout=30)
         assert first.token_ids and first.error is None
         engine.abort("a")
+        runner.release.set()
         got_b = []
         while True:
             d = outs["b"].get(timeout=30)

@@ -162,6 +162,12 @@ def _steps():
                    query_lens=(1, 1, 1, 1), context_lens=(4, 10, 0, 0),
                    block_table=torch.tensor([[5], [6], [0], [0]]), sample_rows=torch.arange(2),
                    slot_mapping=torch.tensor([83, 105, 16, 16]), graph_batch=4),
+        # a mixed step padded to a token bucket of 8: a decode row, a 4-token prompt, padding
+        StepInputs(input_ids=torch.tensor([3, 4, 5, 6, 7, 0, 0, 0]), positions=torch.tensor([9, 0, 1, 2, 3, 0, 0, 0]),
+                   query_lens=(1, 4), context_lens=(10, 4), block_table=torch.tensor([[2], [3]]),
+                   sample_rows=torch.tensor([0, 4]), slot_mapping=torch.tensor([41, 48, 49, 50, 51, 16, 16, 16]),
+                   graph_tokens=8, token_seq=torch.tensor([0, 1, 1, 1, 1, 0, 0, 0]),
+                   token_ctx=torch.tensor([10, 1, 2, 3, 4, 0, 0, 0])),
         # ids not known on the host yet: rows 0 and 2 of the previous step's 3 sampled tokens
         StepInputs(input_ids=torch.tensor([-1, 8, -1]), positions=torch.tensor([3, 9, 4]),
                    query_lens=(1, 1, 1), context_lens=(4, 10, 5), block_table=torch.tensor([[5], [6], [7]]),

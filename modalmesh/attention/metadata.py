@@ -104,6 +104,11 @@ class PagedMetadata:
     query_lens: tuple[int, ...]  # host copies
     context_lens_host: tuple[int, ...]
     page_size: int
+    # Every token a decode query of its own (mixed steps replayed from CUDA graphs): token i reads
+    # block-table row token_seq[i] up to its causal length token_ctx[i], both int32 (T,) on the device.
+    # Then the host fields above describe nothing a kernel may read; only graph-safe backends take these.
+    token_seq: torch.Tensor | None = None
+    token_ctx: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -151,6 +156,17 @@ class PagedMetadata:
     def decode(cls, context_lens: Sequence[int], block_table: torch.Tensor, page_size: int, **kw) -> PagedMetadata:
         """One new token per sequence."""
         return cls.build([1] * len(context_lens), context_lens, block_table, page_size, **kw)
+
+    def per_token_as_decode(self) -> PagedMetadata:
+        """The per-token form (`token_seq`, `token_ctx`) as an ordinary decode batch, one row per token, for
+        backends that read lengths on the host (it reads them back: not for graph capture). Padding tokens
+        (length 0) attend to one slot instead, so their rows stay finite."""
+        tokens = self.token_seq.shape[0]
+        ctx = self.token_ctx.clamp(min=1)
+        return PagedMetadata(
+            slot_mapping=self.slot_mapping, block_table=self.block_table[self.token_seq.long()], context_lens=ctx,
+            cu_seqlens_q=torch.arange(tokens + 1, dtype=torch.int32, device=self.device),
+            query_lens=(1,) * tokens, context_lens_host=tuple(ctx.tolist()), page_size=self.page_size)
 
     @property
     def batch_size(self) -> int:

@@ -40,7 +40,7 @@ from modalmesh.kv.pool import build_kv_pool
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.metrics import Metrics
 from services.llm.config import LLMConfig
-from services.llm.graphs import DecodeGraphs
+from services.llm.graphs import MIXED_MAX_CONTEXT_READS, DecodeGraphs, MixedGraphs
 from services.llm.loader import load_llm
 from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
@@ -143,23 +143,32 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(self.model, "uses_mrope", False))
         self.kv_caches = [self.pool.layer(i) for i in range(self.pool.layout.num_layers)]
         self.channel = StepChannel(self.device, config.world_size)
-        self.graphs = self._capture_graphs()
+        self.graphs, self.mixed_graphs = self._capture_graphs()
         self.reports = self._gather_reports()
         self._stopped = False
 
     # ---- start-up -----------------------------------------------------------------------
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
         if not (self.config.cuda_graphs and self.device.type == "cuda"):
-            return None
+            return None, None
         backends = {m.backend_name for m in self.model.modules() if isinstance(m, Attention)}
         if not all(registry.spec(name).graph_safe for name in backends):  # the backends' records say
-            log.warning("decode runs eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
+            log.warning("steps run eagerly: attention backend(s) %s cannot be captured in CUDA graphs",
                         sorted(backends))
-            return None
-        graphs = DecodeGraphs(self.model, self.pool, self.kv_caches, self.device, max_batch=self.config.max_num_seqs,
-                              max_model_len=self.config.max_model_len, uses_mrope=self.uses_mrope)
-        graphs.capture()  # every rank in the same order: the warm-up forwards meet in their all-reduces
-        return graphs
+            return None, None
+        config = self.config
+        decode = DecodeGraphs(self.model, self.pool, self.kv_caches, self.device, max_batch=config.max_num_seqs,
+                              max_model_len=config.max_model_len, uses_mrope=self.uses_mrope)
+        mixed = MixedGraphs(self.model, self.pool, self.kv_caches, self.device, max_tokens=config.max_batch_tokens,
+                            max_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                            uses_mrope=self.uses_mrope, scratch_slot=decode.scratch_slot,
+                            hidden_size=self.model_config.hidden_size, dtype=config.dtype)
+        # Every rank in the same order (the warm-up forwards meet in their all-reduces); one memory pool:
+        # no two graphs ever run at once.
+        mempool = torch.cuda.graph_pool_handle()
+        decode.capture(mempool)
+        mixed.capture(mempool)
+        return decode, mixed
 
     def _gather_reports(self) -> list[RankReport]:
         choices = tuple((s.component, s.backend, s.reason, tuple(s.rejected.items()))
@@ -200,7 +209,8 @@ class ModelRunner:
             bucket = self.graphs.bucket(len(step.chunks))
             if bucket:
                 return self._prepare_decode(step, bucket, previous)
-        return self._prepare_packed(step, previous)
+        bucket = self.mixed_graphs.bucket(step.num_tokens, len(step.chunks)) if self.mixed_graphs else 0
+        return self._prepare_packed(step, previous, bucket)
 
     @staticmethod
     def _carry(ids: list[int], step: Step, last_rows: list[int], previous: InFlight | None) -> dict:
@@ -216,7 +226,9 @@ class ModelRunner:
             carry[row] = previous.rows[seq_id]
         return dict(carry=torch.tensor(carry, dtype=torch.int64), previous_samples=int(previous.tokens.shape[0]))
 
-    def _prepare_packed(self, step: Step, previous: InFlight | None) -> StepInputs:
+    def _prepare_packed(self, step: Step, previous: InFlight | None, bucket: int = 0) -> StepInputs:
+        """A step's tokens packed; padded to `bucket` tokens, with per-token attention inputs, to replay a
+        mixed-step graph (unless the step's tokens would re-read too much context that way)."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
@@ -238,12 +250,37 @@ class ModelRunner:
             last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
+        carry = self._carry(ids, step, last_rows, previous)
+        graph = self._per_token(step, bucket) if bucket else {}
+        if graph:
+            pad = bucket - len(ids)
+            ids += [0] * pad
+            positions.append(torch.zeros((*positions[0].shape[:-1], pad), dtype=torch.int64))
+            if carry:
+                carry["carry"] = torch.cat([carry["carry"], torch.full((pad,), -1, dtype=torch.int64)])
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions, dim=-1),
             query_lens=tuple(query_lens), context_lens=tuple(context_lens),
             block_table=torch.tensor(self.pool.allocator.block_table(seq_ids), dtype=torch.int64),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64), has_embeds=bool(splices),
-            splices=tuple(splices), **self._carry(ids, step, last_rows, previous))
+            splices=tuple(splices), **carry, **graph)
+
+    def _per_token(self, step: Step, bucket: int) -> dict:
+        """A mixed graph's per-token inputs, padded to `bucket`: each token's KV slot, block-table row and
+        causal length. {} when the tokens would re-read more context than an eager step costs."""
+        if sum(c.length * (2 * c.start + c.length + 1) // 2 for c in step.chunks) > MIXED_MAX_CONTEXT_READS:
+            return {}
+        alloc, page = self.pool.allocator, self.pool.page_size
+        slots, seq_rows, ctx = [], [], []
+        for row, c in enumerate(step.chunks):
+            pages = alloc.pages(c.seq.seq_id)
+            slots += [pages[p // page] * page + p % page for p in range(c.start, c.start + c.length)]
+            seq_rows += [row] * c.length
+            ctx += range(c.start + 1, c.start + c.length + 1)
+        pad = bucket - len(slots)
+        return dict(slot_mapping=torch.tensor(slots + [self.graphs.scratch_slot] * pad, dtype=torch.int64),
+                    graph_tokens=bucket, token_seq=torch.tensor(seq_rows + [0] * pad, dtype=torch.int64),
+                    token_ctx=torch.tensor(ctx + [0] * pad, dtype=torch.int64))
 
     def _prepare_decode(self, step: Step, bucket: int, previous: InFlight | None) -> StepInputs:
         # Plain Python per sequence (no small tensors): at batch 256 this loop is on every step.
@@ -320,6 +357,15 @@ class ModelRunner:
         distributed.abandon_tp()  # the process ends next (exit_rank): no teardown to hang in
 
     # ---- every rank ---------------------------------------------------------------------
+    def _embed(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's input embeddings, encoder rows spliced in by rank 0 and shared with every rank."""
+        embeds = self.model.embed(inputs.input_ids)  # sharded: every rank takes part
+        if inputs.has_embeds:
+            for row, rows in inputs.splices:  # rank 0 only; the others receive the result
+                embeds[row:row + rows.shape[0]] = rows.to(embeds.dtype)
+            embeds = self.channel.share_embeds(embeds)
+        return embeds
+
     def execute(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """One forward of the step on this rank: float32 logits of the sampled rows (None if none).
 
@@ -329,15 +375,12 @@ class ModelRunner:
             inputs = inputs.with_carried_ids(self.channel.share_tokens(previous_tokens, inputs.previous_samples))
         if inputs.graph_batch:
             hidden = self.graphs.run(inputs)
+        elif inputs.graph_tokens:
+            hidden = self.mixed_graphs.run(inputs, self._embed(inputs))
         else:
             meta = PagedMetadata.build(inputs.query_lens, inputs.context_lens, inputs.block_table,
                                        self.pool.page_size, slot_mapping=inputs.slot_mapping)
-            embeds = None
-            if inputs.has_embeds:
-                embeds = self.model.embed(inputs.input_ids)  # sharded: every rank takes part
-                for row, rows in inputs.splices:  # rank 0 only; the others receive the result
-                    embeds[row:row + rows.shape[0]] = rows.to(embeds.dtype)
-                embeds = self.channel.share_embeds(embeds)
+            embeds = self._embed(inputs) if inputs.has_embeds else None
             hidden = self.model(inputs.positions, meta, self.kv_caches,
                                 input_ids=None if embeds is not None else inputs.input_ids, inputs_embeds=embeds)
         if not inputs.sample_rows.numel():

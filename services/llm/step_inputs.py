@@ -31,7 +31,8 @@ import torch
 from modalmesh import distributed
 
 HEADER = 16  # int64 words before the payload
-_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH, _CARRY, _PREVIOUS = range(12)
+(_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH, _CARRY, _PREVIOUS,
+ _GRAPH_TOKENS) = range(13)
 STEP, STOP = 1, 2
 DEFAULT_CAPACITY = 8192  # int64 words in one broadcast: 64 KiB
 
@@ -58,6 +59,12 @@ class StepInputs:
     # known on the host yet (input_ids holds a placeholder there), else -1. None: every id is known.
     carry: torch.Tensor | None = None
     previous_samples: int = 0  # how many tokens the previous step sampled (what `share_tokens` moves)
+    # A mixed step replayed from the CUDA graph of this token bucket (services/llm/graphs.py, MixedGraphs):
+    # its tokens are padded to the bucket, and each is a decode query of its own — block-table row
+    # token_seq[i], causal length token_ctx[i] (both (T,) int64; padding: row 0, length 0). 0: no graph.
+    graph_tokens: int = 0
+    token_seq: torch.Tensor | None = None
+    token_ctx: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +104,12 @@ class StepChannel:
             parts.append(s.slot_mapping)
         if s.carry is not None:
             parts.append(s.carry)
+        if s.graph_tokens:
+            parts += [s.token_seq, s.token_ctx]
         length = sum(p.numel() for p in parts)
         header = [STEP, s.num_tokens, s.batch_size, s.block_table.shape[1], int(mrope), s.sample_rows.numel(),
                   int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length, int(s.carry is not None),
-                  s.previous_samples]
+                  s.previous_samples, s.graph_tokens]
         # Pinned and from the caching host allocator: the copy below is asynchronous, and the allocator
         # keeps this block until the copy has run, so the next step cannot overwrite it early.
         # Under TP the first broadcast is always `capacity` words: allocate at least that, so it is a view.
@@ -170,10 +179,13 @@ def _unpack(message: torch.Tensor, host: torch.Tensor, splices) -> StepInputs:
     sample_rows, _ = take(rows)
     slot_mapping = take(tokens)[0] if head[_SLOTS] else None
     carry = take(tokens)[0] if head[_CARRY] else None
+    token_seq = take(tokens)[0] if head[_GRAPH_TOKENS] else None
+    token_ctx = take(tokens)[0] if head[_GRAPH_TOKENS] else None
     lens_host = host[lens_at].tolist()
     return StepInputs(
         input_ids=input_ids, positions=positions, query_lens=tuple(lens_host[:batch]),
         context_lens=tuple(lens_host[batch:]), block_table=block_table.view(batch, width), sample_rows=sample_rows,
         slot_mapping=slot_mapping, graph_batch=head[_GRAPH], has_embeds=bool(head[_EMBEDS]), splices=tuple(splices),
         context_lens_t=lens[batch:], carry=carry, previous_samples=head[_PREVIOUS],
+        graph_tokens=head[_GRAPH_TOKENS], token_seq=token_seq, token_ctx=token_ctx,
     )

@@ -141,6 +141,9 @@ class TritonPaged(AttentionBackend):
         return self._sdpa(q).dense(q, k, v, causal=causal, scale=scale, window=window)
 
     def paged(self, q, k_cache, v_cache, meta, *, causal, scale, window):
+        if meta.token_seq is not None:  # a captured mixed step: every token a query of its own
+            return paged_decode(q, k_cache, v_cache, meta.block_table, meta.token_ctx, scale=scale, window=window,
+                                kernel=self._decode, token_seq=meta.token_seq)
         if meta.is_decode:
             return paged_decode(q, k_cache, v_cache, meta.block_table, meta.context_lens, scale=scale,
                                 window=window, kernel=self._decode)
