@@ -21,6 +21,7 @@ from modalmesh.errors import FailedPrecondition, InvalidArgument
 from modalmesh.rpc.codec import payload_nbytes, to_payload
 from modalmesh.rpc import wire
 from modalmesh.rpc.server import MiB
+from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
@@ -47,17 +48,6 @@ def add_encoder_service(servicer, server) -> None:
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(pb.ENCODER_SERVICE, handlers),))
     server.add_registered_method_handlers(pb.ENCODER_SERVICE, handlers)
-
-
-class EncoderServicer(pb.encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, service: EncoderService):
-        self.service = service
-
-    async def Encode(self, request, context):
-        return await self.service.encode(request)
-
-    async def Info(self, request, context):
-        return self.service.info()
 
 
 class EncoderService(Service):
@@ -99,7 +89,7 @@ class EncoderService(Service):
 
     # -- life cycle -------------------------------------------------------------------------
     def register(self, server) -> None:
-        server.add_service(pb.ENCODER_SERVICE, add_encoder_service, EncoderServicer(self))
+        server.add_service(pb.ENCODER_SERVICE, add_encoder_service, ForwardingServicer(self, Encode=self.encode))
 
     async def load(self) -> None:
         await super().load()
@@ -132,8 +122,9 @@ class EncoderService(Service):
         return info
 
     # -- Encode -----------------------------------------------------------------------------
-    def _encode_batch(self, batch: list[PreparedItem]) -> list[Answer]:
-        """Worker thread: one model call, then the answers (tensor bytes copied off the device here)."""
+    def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer]:
+        """Worker thread: one model call, then the answers (tensor bytes copied off the device here).
+        One forward has no point to stop at: `abandoned` is not consulted."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
         answers = []

@@ -7,8 +7,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 PNG through the VAE), ``GET /health``. Metrics (the shared ``modalmesh_`` schema,
 ``service="gateway"``) are on ``--metrics-port`` like every service's.
 
-Life cycle as the other services: flags also read from ``MODALMESH_*``, one
-``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
+Life cycle as the other services (the same process shell, ``modalmesh.service.run_process``):
+flags also read from ``MODALMESH_*``, one ``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
 until every backend reports SERVING through gRPC health, and on SIGTERM/SIGINT a
 drain (``/health`` 503, no new connections, in-flight requests finish within
 ``--grace-period``) before exit 0.
@@ -28,8 +28,6 @@ import hmac
 import json
 import logging
 import re
-import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,9 +39,9 @@ import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
-from modalmesh.launcher import die_with_parent
+from modalmesh.flags import ENV_PREFIX, EnvArgumentParser, add_process_arguments
 from modalmesh.rpc.security import Security, add_security_arguments
-from modalmesh.service import ENV_PREFIX, _EnvDefaults
+from modalmesh.service import run_process
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
 from services.gateway.backends import Backend
@@ -62,16 +60,15 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _EnvDefaults(
+    """The gateway's flags: the process flags every server shares (modalmesh.flags), then its own."""
+    parser = EnvArgumentParser(
         prog="python -m services.gateway",
         description="modalmesh gateway: the OpenAI-compatible HTTP API in front of the LLM and VAE services.",
         epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}LLM=dns:///llm:50051).",
     )
     parser.add_argument("--llm", default=None, metavar="TARGET", help="LLM service, e.g. dns:///llm:50051")
     parser.add_argument("--vae", default=None, metavar="TARGET", help="VAE service (for /v1/images/decode)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
+    add_process_arguments(parser, port=8000, protocol="HTTP", what="requests")
     parser.add_argument("--served-model-name", default=None,
                         help="model id clients use (default: the LLM's model id from its Info)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -94,9 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout", type=float, default=0.0,
                         help="deadline of a Generate call in seconds (0: none)")
     parser.add_argument("--decode-timeout", type=float, default=300.0, help="deadline of a VAE Decode call")
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Start-up checks of the gateway's own flags: a ConfigError names the flag (exit 2, nothing bound)."""
+    if not args.llm and not args.vae:
+        raise ConfigError("give --llm TARGET (and/or --vae TARGET)")
+    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
+        raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0")
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise ConfigError("--ssl-certfile and --ssl-keyfile go together")
 
 
 def error_response(err: APIError, headers: dict | None = None) -> web.Response:
@@ -522,11 +530,9 @@ class Gateway:
         return web.json_response(body, status=200 if state == "ok" else 503)
 
 
-async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None = None) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None,
+                stop: asyncio.Event) -> int:
+    """Serve HTTP until `stop` is set (SIGTERM / SIGINT, by the process shell), then drain."""
     gateway = Gateway(args, metrics, security)
     # aiohttp closes a connection whose request has not arrived (or that idles) after keepalive_timeout:
     # that is the header timeout (half-sent requests once stayed open).
@@ -566,31 +572,11 @@ async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security
 
 
 def main(argv=None) -> int:
-    die_with_parent()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
-    if not args.llm and not args.vae:
-        print("error: give --llm TARGET (and/or --vae TARGET)", file=sys.stderr)
-        return 2
-    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
-        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: not a directory", file=sys.stderr)
-        return 2
-    for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
-        if getattr(args, flag) <= 0:
-            print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
-            return 2
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        print("error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
-        return 2
-    try:
+    """`python -m services.gateway`: the process shell every service runs in (modalmesh.service.run_process)."""
+
+    def setup(args: argparse.Namespace, metrics: metrics_mod.Metrics):
+        check_args(args)
         security = Security.from_args(args)  # readable files, consistent flags: checked before serving
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    metrics = metrics_mod.install(metrics_mod.Metrics("gateway"))
-    code = asyncio.run(serve(args, metrics, security))
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a late second signal must not turn exit 0 into -15
-        signal.signal(sig, signal.SIG_IGN)
-    return code
+        return lambda stop: serve(args, metrics, security, stop)
+
+    return run_process("gateway", build_parser(), setup, argv)
