@@ -32,20 +32,22 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to a flag's help when it has a default worth showing (not None, not a
     switch's False), so ``--help`` says what happens when the flag is left out."""
 
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default is not None \
+            and action.default is not argparse.SUPPRESS and not isinstance(action, (
+                argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = (action.help or "").strip()
-        if "%(default)" in text or not action.option_strings:
+        text = action.help or ""
+        if "%(default)" in text or not self._shows_default(action):
             return text
-        default = action.default
-        if default is None or default is argparse.SUPPRESS or isinstance(action, (
-                argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
-            return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return f"{text} (default: %(default)s)"
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings:  # a flag without help still shows its default
+        if action.help is None and self._shows_default(action):  # a flag without help still shows its default
             action = copy.copy(action)
-            action.help = " "
+            action.help = "default: %(default)s"
         return super()._format_action(action)
 
 
