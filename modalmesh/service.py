@@ -1,10 +1,11 @@
 """What every service shares: common flags (also MODALMESH_* env), the process shell, life cycle, Info.
 
-A service subclasses `Service`, registers the one servicer (rpc/servicer.py's
-`ForwardingServicer`: each RPC forwards to a method of the service), loads its model in `load()` (run before health
-turns SERVING) and describes itself in `info()`. `run(ServiceClass)` is the whole of a
-service's ``__main__``. `run_process` is the process shell under it, which the HTTP
-gateway shares: die-with-parent, flags, logging, metrics, signals, exit codes.
+A service subclasses `Service`, registers the one servicer (`ForwardingServicer` in
+rpc/servicer.py: each RPC forwards to a method of the service), loads its model in
+`load()` (run before health turns SERVING) and describes itself in `info()`.
+`run(ServiceClass)` is the whole of a service's ``__main__``. `run_process` is the
+process shell under it, which the HTTP gateway shares: die-with-parent, flags
+(modalmesh/flags.py), logging, metrics, signals, exit codes.
 """
 
 from __future__ import annotations
