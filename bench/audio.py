@@ -43,7 +43,7 @@ LARGE_V3 = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, enc
                 vocab_size=51866)
 QUICK = dict(LARGE_V3, d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
              decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128)
-BASELINE = "HF WhisperEncoder on one H200 (DESIGN.md): 147 clips/s at batch 16, 21 ms at batch 1; limit ~345 clips/s"
+BASELINE = "HF WhisperEncoder on one H200 (docs/architecture.md): 147 clips/s at batch 16, 21 ms at batch 1; limit ~345 clips/s"
 
 
 def sync(device: torch.device) -> None:

@@ -4,7 +4,7 @@
     python bench/vision.py --quick         # tiny shapes, also on CPU (checks the script, not speed)
     python bench/vision.py --only siglip-b32 --iters 50 --attention-backend vision_encoder=sdpa_cudnn
 
-Cases (baselines on one H200 from DESIGN.md: SigLIP 495 img/s at batch 32, Qwen2-VL tower 131 img/s):
+Cases (baselines on one H200 from docs/architecture.md: SigLIP 495 img/s at batch 32, Qwen2-VL tower 131 img/s):
   siglip-b1, siglip-b32   SigLIP-so400m-patch14-384 vision model (27 x 1152, 729 patches), batch 1 / 32
   qwen2vl-8x448           Qwen2-VL-7B vision tower (32 x 1280, 16 heads) on 8 images of 448x448
   qwen25vl-8x448          Qwen2.5-VL-7B vision tower (window attention) on the same 8 images
@@ -38,7 +38,7 @@ from modalmesh.rpc.codec import to_proto  # noqa: E402
 from modalmesh.weights import load_weights  # noqa: E402
 from services.vision_encoder.model import build_encoder_model  # noqa: E402
 
-BASELINES = {"siglip-b32": 495.0, "qwen2vl-8x448": 131.0}  # HF img/s on one H200 (DESIGN.md)
+BASELINES = {"siglip-b32": 495.0, "qwen2vl-8x448": 131.0}  # HF img/s on one H200 (docs/architecture.md)
 
 
 @dataclass

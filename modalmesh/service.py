@@ -1,8 +1,11 @@
-"""What every service shares: common flags (also MODALMESH_* env), life cycle, Info.
+"""What every service shares: common flags (also MODALMESH_* env), the process shell, life cycle, Info.
 
-A service subclasses `Service`, registers its servicer, loads its model in
+A service subclasses `Service`, registers the one servicer (`ForwardingServicer` in
+rpc/servicer.py: each RPC forwards to a method of the service), loads its model in
 `load()` (run before health turns SERVING) and describes itself in `info()`.
-`run(ServiceClass)` is the whole of a service's ``__main__``.
+`run(ServiceClass)` is the whole of a service's ``__main__``. `run_process` is the
+process shell under it, which the HTTP gateway shares: die-with-parent, flags
+(modalmesh/flags.py), logging, metrics, signals, exit codes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -23,63 +26,28 @@ from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
+from modalmesh.flags import EnvArgumentParser, add_process_arguments
 from modalmesh.launcher import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
 from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
 
-ENV_PREFIX = "MODALMESH_"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
-def env_name(dest: str) -> str:
-    return ENV_PREFIX + dest.upper()
-
-
-class _EnvDefaults(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to MODALMESH_<DEST> when set."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        for action in self._actions:
-            if not action.option_strings or action.dest in {"help"}:
-                continue
-            raw = os.environ.get(env_name(action.dest))
-            if raw is None:
-                continue
-            if isinstance(action, argparse._StoreTrueAction):
-                value = raw.strip().lower()
-                if value not in _TRUE | _FALSE:
-                    self.error(f"{env_name(action.dest)}={raw!r}: expected 1/0, true/false, yes/no or on/off")
-                action.default = value in _TRUE
-            else:
-                try:
-                    action.default = action.type(raw) if action.type else raw
-                except (TypeError, ValueError):
-                    self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}")
-        return super().parse_known_args(args, namespace)
 
 
 def build_parser(service: str, description: str, *, max_message_mb: int = 64) -> argparse.ArgumentParser:
-    parser = _EnvDefaults(
-        prog=f"python -m services.{service}",
-        description=description,
-        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=50051).",
-    )
+    """The flags of `python -m services.<service>`: the process flags (modalmesh.flags) and the model's."""
+    parser = EnvArgumentParser(prog=f"python -m services.{service}", description=description)
     parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
     parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address the gRPC and metrics servers bind (0.0.0.0: every interface; containers set it)")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    add_process_arguments(parser, port=50051)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU, or the service's own)")
     parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
     parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
     parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight calls get to finish on SIGTERM")
     parser.add_argument("--max-connection-age", type=float, default=300.0,
                         help="seconds before a client connection is asked to reconnect (load balancing); 0: never")
     parser.add_argument("--max-connection-age-grace", type=float, default=None,
@@ -87,7 +55,6 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
     add_security_arguments(parser)
     parser.add_argument("--no-reflection", dest="reflection", action="store_false",
                         help="do not serve gRPC server reflection (it lists every method to anyone who connects)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
@@ -190,30 +157,56 @@ class Service:
         )
 
 
-def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
-    """Parse flags, serve until SIGTERM/SIGINT, return the exit code."""
+def run_process(name: str, parser: argparse.ArgumentParser,
+                setup: Callable[[argparse.Namespace, metrics_mod.Metrics], Callable[[asyncio.Event], Awaitable[int]]],
+                argv: Sequence[str] | None = None) -> int:
+    """The process shell every modalmesh server runs in (the four services and the gateway); returns the exit code.
+
+    Dies with its launcher, parses the flags (MODALMESH_* too), sets up logging and the metrics
+    registry, then calls ``setup(args, metrics)``: it checks the configuration (a ConfigError is
+    exit 2 with one line, before anything binds) and returns ``serve(stop)``, which serves until
+    `stop` is set by SIGTERM / SIGINT, drains, and returns the exit code. A late second signal
+    after the drain is ignored, so a clean exit stays 0.
+    """
     die_with_parent()
-    parser = build_parser(service_cls.name, service_cls.description, max_message_mb=service_cls.max_message_mb)
-    service_cls.add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
-        format=f"%(asctime)s %(levelname)s {service_cls.name} %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    metrics = metrics_mod.install(metrics_mod.Metrics(service_cls.name))
+    metrics = metrics_mod.install(metrics_mod.Metrics(name))
     try:
-        service = service_cls(args, metrics)
-        config = server_config(args, service.security)
+        serve = setup(args, metrics)
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    code = asyncio.run(_serve(service, config, args, metrics))
-    # The drain is done: a late second signal must not turn a clean exit into -15.
+    code = asyncio.run(_until_signal(serve))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code
+
+
+async def _until_signal(serve: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await serve(stop)
+
+
+def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
+    """A service's whole ``__main__``: its flags, then `run_process` serving it over gRPC."""
+    parser = build_parser(service_cls.name, service_cls.description, max_message_mb=service_cls.max_message_mb)
+    service_cls.add_arguments(parser)
+
+    def setup(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> Callable[[asyncio.Event], Awaitable[int]]:
+        service = service_cls(args, metrics)
+        config = server_config(args, service.security)
+        return lambda stop: _serve(service, config, args, metrics, stop)
+
+    return run_process(service_cls.name, parser, setup, argv)
 
 
 def server_config(args: argparse.Namespace, security: Security = INSECURE) -> ServerConfig:
@@ -234,7 +227,7 @@ def server_config(args: argparse.Namespace, security: Security = INSECURE) -> Se
 
 
 async def _serve(service: Service, config: ServerConfig, args: argparse.Namespace,
-                 metrics: metrics_mod.Metrics) -> int:
+                 metrics: metrics_mod.Metrics, stop: asyncio.Event) -> int:
     server = GrpcServer(config, metrics)
     service.register(server)
     metrics_port = -1
@@ -246,6 +239,7 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
         log.info("listening grpc=%s:%d metrics=%s:%d", args.host, port, args.host, metrics_port)
 
     try:
-        return await serve_until_signal(server, service._startup, service.close, on_listening=listening)
+        return await serve_until_signal(server, service._startup, service.close, on_listening=listening,
+                                        stop_event=stop)
     finally:
         metrics.stop_exporter()

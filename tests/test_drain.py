@@ -104,3 +104,44 @@ def test_a_service_whose_launcher_is_already_gone_exits_before_listening():
     with proc:
         with pytest.raises(RuntimeError, match="exited with -15 before listening"):
             proc.wait_listening(60)
+
+
+# ---- a reply still on the wire when the drain ends ------------------------------------------------
+def test_a_call_answered_during_the_drain_reaches_its_client_whole():
+    # The drain ended once every handler had returned and then stopped the server at once: a large
+    # reply still being sent was cut off (UNAVAILABLE "Cancelling all calls"). A call now counts as in
+    # flight until it has ended on the wire.
+    import asyncio
+
+    from modalmesh.rpc.server import GrpcServer, ServerConfig
+
+    size = 32 << 20
+
+    class Big(pb.encoder_pb2_grpc.EncoderServiceServicer):
+        def __init__(self, server):
+            self.server = server
+
+        async def Encode(self, request, context):
+            await self.server.draining.wait()
+            return pb.EncodeResponse(model_id="x" * size)
+
+        async def Info(self, request, context):
+            return pb.ServiceInfo(service="big")
+
+    async def body():
+        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, grace_seconds=20, max_message_bytes=64 << 20))
+        server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server, Big(server))
+        port = await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                                 options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                call = asyncio.ensure_future(stub.Encode(pb.EncodeRequest(), timeout=30))
+                await stub.Info(pb.InfoRequest(), timeout=10)  # the Encode is in the server's hands
+                await server.drain()
+                assert len((await call).model_id) == size
+                await asyncio.wait_for(server.interceptor.wait_idle(), 10)  # the ended call was counted out
+        finally:
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -109,7 +109,7 @@ def test_batcher_respects_budget_runs_oversized_items_alone_and_keeps_order():
     async def body():
         seen = []
 
-        def run(batch):
+        def run(batch, abandoned):
             seen.append([int(p.inputs["tag"]) for p in batch])
             return [int(p.inputs["tag"]) * 10 for p in batch]
 
@@ -129,7 +129,7 @@ def test_batcher_respects_budget_runs_oversized_items_alone_and_keeps_order():
 
 def test_batcher_rejects_when_full_and_delivers_errors_to_the_batch_only():
     async def body():
-        def run(batch):
+        def run(batch, abandoned):
             if any(int(p.inputs["tag"]) == 66 for p in batch):
                 raise RuntimeError("kernel exploded")
             return [0] * len(batch)
@@ -148,7 +148,7 @@ def test_batcher_rejects_when_full_and_delivers_errors_to_the_batch_only():
 
 def test_batcher_caps_queued_cost_not_only_items():
     async def body():
-        batcher = Batcher(lambda batch: [0] * len(batch), max_batch_tokens=4, max_queue=100, max_queue_tokens=10)
+        batcher = Batcher(lambda batch, abandoned: [0] * len(batch), max_batch_tokens=4, max_queue=100, max_queue_tokens=10)
         waiting = asyncio.ensure_future(batcher.submit([_prepared(8, 1)]))  # no worker yet: it stays queued
         await asyncio.sleep(0)
         with pytest.raises(ResourceExhausted, match="8 tokens of work waiting, limit 10"):

@@ -27,7 +27,9 @@ from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.service import build_parser
 from services.vae.config import VAEConfig
 from services.vae.engine import TilingRequest, to_uint8, to_unit
-from services.vae.server import DecodeBatcher, DecodeJob, JobResult, VAEDecoderService
+from services.vae.batcher import DecodeBatcher, JobResult
+from services.vae.inputs import DecodeJob, OutputFormat
+from services.vae.server import VAEDecoderService
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -211,7 +213,7 @@ def test_a_non_vae_checkpoint_fails_start_up_with_a_clear_error(tmp_path):
 
 
 # ---- in-process: the batcher and a service without a model ---------------------------------------
-def job(shape, output=pb.TENSOR_FLOAT, tiling=TilingRequest()):
+def job(shape, output=OutputFormat.FLOAT, tiling=TilingRequest()):
     return DecodeJob(z=torch.zeros(shape), tiling=tiling, output=output)
 
 
@@ -223,7 +225,7 @@ class GatedRun:
         self.gate = threading.Event()
         self.started = threading.Event()
 
-    def __call__(self, jobs):
+    def __call__(self, jobs, abandoned):
         self.started.set()
         self.gate.wait(timeout=30)
         self.batches.append([tuple(j.z.shape) for j in jobs])
@@ -269,7 +271,7 @@ def test_batcher_skips_cancelled_jobs_and_reports_errors_to_every_caller():
         gone.cancel()  # the client went away while queued
         run.gate.set()
         await asyncio.gather(first, kept)
-        batcher.run = lambda jobs: (_ for _ in ()).throw(RuntimeError("device lost"))
+        batcher.run = lambda jobs, abandoned: (_ for _ in ()).throw(RuntimeError("device lost"))
         failing = [asyncio.ensure_future(batcher.submit(job((1, 4, 5, 5)))) for _ in range(2)]
         errors = await asyncio.gather(*failing, return_exceptions=True)
         await batcher.stop()

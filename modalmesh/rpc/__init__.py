@@ -1,4 +1,4 @@
-"""RPC plumbing: tensor codec, server bootstrap, client channels, status mapping.
+"""RPC plumbing: tensor codec, server bootstrap, the forwarding servicer, client channels, status mapping.
 
 Names are loaded on first use, so `modalmesh.rpc.channel` (health probes, clients) does not pull
 in torch through the codec: a container healthcheck runs every few seconds.
@@ -10,6 +10,7 @@ _EXPORTS = {
     "aio_channel": "channel", "normalize_target": "channel", "sync_channel": "channel",
     "from_proto": "codec", "to_proto": "codec",
     "GrpcServer": "server", "ServerConfig": "server", "serve_until_signal": "server",
+    "ForwardingServicer": "servicer",
 }
 
 __all__ = sorted(_EXPORTS)

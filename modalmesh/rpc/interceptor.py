@@ -61,7 +61,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, metrics: Metrics | None = None, security: Security = INSECURE):
         self._metrics = metrics
         self._security = security
-        self.active = 0  # the services' own calls in flight (health and reflection not counted)
+        self.active = 0  # the services' own calls not yet ended (health and reflection not counted)
         self._idle: asyncio.Event | None = None
 
     async def wait_idle(self) -> None:
@@ -104,7 +104,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, behavior, rpc: str):
         async def wrapped(request, context):
             outcome = _Outcome()
-            start = self._begin(rpc)
+            start = self._begin(rpc, context)
             try:
                 self._check_caller(context)
                 _check_decoded(request, rpc)
@@ -123,7 +123,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, behavior, rpc: str):
         async def wrapped(request, context):
             outcome = _Outcome()
-            start = self._begin(rpc)
+            start = self._begin(rpc, context)
             try:
                 self._check_caller(context)
                 _check_decoded(request, rpc)
@@ -166,16 +166,21 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             log.exception("unexpected error in %s", rpc)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__} (details in the server log)")
 
-    def _begin(self, rpc: str) -> float:
+    def _begin(self, rpc: str, context) -> float:
+        # In flight until the call has ended on the wire, not merely until the handler returned: its
+        # response may still be being sent, and a drain that stops the server then would cut it off.
         self.active += 1
+        context.add_done_callback(self._call_done)
         if self._metrics is not None:
             self._metrics.requests_in_flight.labels(rpc=rpc).inc()
         return time.perf_counter()
 
-    def _end(self, rpc: str, start: float, outcome: _Outcome, context) -> None:
+    def _call_done(self, context) -> None:
         self.active -= 1
         if not self.active and self._idle is not None:
             self._idle.set()
+
+    def _end(self, rpc: str, start: float, outcome: _Outcome, context) -> None:
         if outcome.code == "OK":  # a handler may set a code without raising
             code = _context_code(context)
             if code is not None and code != grpc.StatusCode.OK:

@@ -1,1 +1,10 @@
-"""x"""
+"""Audio encoder service: audio -> embedding rows for the LLM (EncoderService, modality AUDIO).
+
+    python -m services.audio_encoder --model DIR [--max-audio-seconds S] [--whisper-rows valid|full]
+
+    audio.py      decoding (WAV / FLAC / OGG) or raw PCM, downmix, resampling: the item's inputs
+    features.py   Whisper log-mel features, equal to transformers' WhisperFeatureExtractor
+    models/       the towers: Whisper encoder, Qwen2-Audio tower + projector; architecture only
+    model.py      AudioEncoderModel: the shared encoder contract (prepare / encode)
+    server.py     AudioEncoderService: the shared EncoderService plus audio flags and Info facts
+"""

@@ -35,15 +35,16 @@ class AudioEncoderService(EncoderService):
                             help="longest clip accepted (longer: INVALID_ARGUMENT)")
         parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
                             help="Whisper: rows covering the valid audio of each 30 s window, or all 1500")
-        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                            help="skip the warm-up forward before turning SERVING")
+
+    @classmethod
+    def model_options(cls, args: argparse.Namespace) -> dict:
+        return {"max_audio_seconds": args.max_audio_seconds, "whisper_rows": args.whisper_rows,
+                "warmup": args.warmup}
 
     def build_model(self) -> AudioEncoderModel:
         return build_encoder_model(
-            self.model_dir, device=self.device, dtype=self.dtype, dummy=self.args.dummy_weights,
-            options={"max_audio_seconds": self.args.max_audio_seconds, "whisper_rows": self.args.whisper_rows,
-                     "warmup": self.args.warmup},
-            metrics=self.metrics,
+            self.model_dir, device=self.device, dtype=self.dtype, dummy=self.config.dummy_weights,
+            options=dict(self.config.model_options), metrics=self.metrics,
         )
 
     def info(self) -> pb.ServiceInfo:

@@ -20,11 +20,12 @@ from modalmesh import pb
 from modalmesh.errors import FailedPrecondition, InvalidArgument
 from modalmesh.rpc.codec import payload_nbytes, to_payload
 from modalmesh.rpc import wire
-from modalmesh.rpc.server import MiB
+from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
 from services.encoder.cache import Answer, EmbeddingCache
+from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 
@@ -49,29 +50,20 @@ def add_encoder_service(servicer, server) -> None:
     server.add_registered_method_handlers(pb.ENCODER_SERVICE, handlers)
 
 
-class EncoderServicer(pb.encoder_pb2_grpc.EncoderServiceServicer):
-    def __init__(self, service: EncoderService):
-        self.service = service
-
-    async def Encode(self, request, context):
-        return await self.service.encode(request)
-
-    async def Info(self, request, context):
-        return self.service.info()
-
-
 class EncoderService(Service):
     grpc_service = pb.ENCODER_SERVICE
     max_message_mb = 128
 
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
+        # The one place an encoder reads its flags: everything below takes this value.
+        self.config = config = EncoderServiceConfig.from_args(args, self.model_options(args))
         self.model: EncoderModel | None = None
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
-        self._pool = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
-        self.shm = (ShmExporter(ttl_s=args.shared_memory_ttl, max_bytes=args.shared_memory_mb * MiB)
-                    if args.shared_memory_transfer == "auto" and shm_available() else None)
+        self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
+        self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
+                    if config.shared_memory and shm_available() else None)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -91,15 +83,22 @@ class EncoderService(Service):
                             help="most /dev/shm the answers may hold at once (beyond it they go as bytes)")
         parser.add_argument("--shared-memory-ttl", type=float, default=30.0,
                             help="seconds a shared-memory answer waits for its reader before its slab is retired")
+        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                            help="skip the warm-up forward before turning SERVING")
 
     # -- hooks for the vision / audio subclass ---------------------------------------------
+    @classmethod
+    def model_options(cls, args: argparse.Namespace) -> dict:
+        """The tower's own settings, from its own flags (they become `config.model_options`)."""
+        return {}
+
     def build_model(self) -> EncoderModel:
-        """Build and load the model from self.model_dir (runs in a thread)."""
+        """Build and load the model from self.model_dir with self.config (runs in a thread)."""
         raise NotImplementedError
 
     # -- life cycle -------------------------------------------------------------------------
     def register(self, server) -> None:
-        server.add_service(pb.ENCODER_SERVICE, add_encoder_service, EncoderServicer(self))
+        server.add_service(pb.ENCODER_SERVICE, add_encoder_service, ForwardingServicer(self, Encode=self.encode))
 
     async def load(self) -> None:
         await super().load()
@@ -107,11 +106,12 @@ class EncoderService(Service):
             return
         self.model = await asyncio.to_thread(self.build_model)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.cache = EmbeddingCache(self.args.cache_mb * MiB, bytes_per_row=self.model.output_hidden_size * itemsize,
+        config = self.config
+        self.cache = EmbeddingCache(config.cache_bytes, bytes_per_row=self.model.output_hidden_size * itemsize,
                                     metrics=self.metrics)
-        self.batcher = Batcher(self._encode_batch, max_batch_tokens=self.args.max_batch_tokens,
-                               max_batch_items=self.args.max_batch_items, window_s=self.args.batch_window_ms / 1e3,
-                               max_queue=self.args.max_queue, metrics=self.metrics)
+        self.batcher = Batcher(self._encode_batch, max_batch_tokens=config.max_batch_tokens,
+                               max_batch_items=config.max_batch_items, window_s=config.batch_window_s,
+                               max_queue=config.max_queue, metrics=self.metrics)
         self.batcher.start()
 
     async def close(self) -> None:
@@ -132,8 +132,9 @@ class EncoderService(Service):
         return info
 
     # -- Encode -----------------------------------------------------------------------------
-    def _encode_batch(self, batch: list[PreparedItem]) -> list[Answer]:
-        """Worker thread: one model call, then the answers (tensor bytes copied off the device here)."""
+    def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer]:
+        """Worker thread: one model call, then the answers (tensor bytes copied off the device here).
+        One forward has no point to stop at: `abandoned` is not consulted."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
         answers = []
@@ -151,8 +152,8 @@ class EncoderService(Service):
         n = len(request.items)
         if n == 0:
             raise InvalidArgument("items: the request has no items")
-        if n > self.args.max_items_per_request:
-            raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.args.max_items_per_request}")
+        if n > self.config.max_items_per_request:
+            raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.config.max_items_per_request}")
         loop = asyncio.get_running_loop()
         keys = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))

@@ -6,6 +6,8 @@
 * raw: little-endian C-order bytes with ``dtype`` (float32, float16, bfloat16) and ``shape``.
 
 (C, h, w) gains a batch dimension. The VAE checks channels, sizes and values.
+`decode_request` turns the upload's options (response_format, skip_scaling, tiling,
+tile_latent_size, overlap_latent) into the DecodeRequest, each bad one a 400 naming it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import numpy as np
 
 from modalmesh import pb
 from services.gateway.errors import bad_request
+from services.gateway.protocol import INT32_MAX
 
 NPY_MAGIC = b"\x93NUMPY"
+_TILING = {"auto": pb.TilingOptions.AUTO, "on": pb.TilingOptions.ON, "off": pb.TilingOptions.OFF}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 _NP_WIRE = {np.dtype("<f4"): pb.FLOAT32, np.dtype("<f2"): pb.FLOAT16}
 _ST_WIRE = {"F32": (pb.FLOAT32, 4), "F16": (pb.FLOAT16, 2), "BF16": (pb.BFLOAT16, 2)}
 _RAW_WIRE = {"float32": (pb.FLOAT32, 4), "float16": (pb.FLOAT16, 2), "bfloat16": (pb.BFLOAT16, 2)}
@@ -106,3 +111,39 @@ def from_raw(data: bytes, dtype: str, shape, param: str = "latents") -> pb.Tenso
     if any(d <= 0 for d in shape) or len(data) != math.prod(shape) * size:
         raise bad_request(f"latents: {len(data)} bytes do not make shape {shape} of {dtype}", param)
     return _tensor(wire, shape, data, param)
+
+
+def decode_request(tensor: pb.Tensor, options: dict) -> tuple[pb.DecodeRequest, str]:
+    """The DecodeRequest for `tensor` with the upload's options, and the response format (b64_json / png)."""
+    decode = pb.DecodeRequest(latents=tensor, output=pb.PNG)
+    fmt = str(options.get("response_format", "b64_json"))
+    if fmt not in ("b64_json", "png"):
+        raise bad_request("response_format must be b64_json or png", "response_format")
+    if fmt == "png" and tensor.shape[0] != 1:
+        raise bad_request(f"response_format png returns one image; these latents hold {tensor.shape[0]} "
+                          "(use b64_json)", "response_format")
+    if "skip_scaling" in options:
+        decode.skip_scaling = _flag(options["skip_scaling"], "skip_scaling")
+    tiling = str(options.get("tiling", "auto")).lower()
+    if tiling not in _TILING:
+        raise bad_request("tiling must be auto, on or off", "tiling")
+    decode.tiling.mode = _TILING[tiling]
+    for key in ("tile_latent_size", "overlap_latent"):
+        if key in options:
+            try:
+                value = int(options[key])
+            except (TypeError, ValueError):
+                raise bad_request(f"{key} must be an integer", key) from None
+            if not 0 <= value <= INT32_MAX:
+                raise bad_request(f"{key} must be in [0, {INT32_MAX}]", key)
+            setattr(decode.tiling, key, value)
+    return decode, fmt
+
+
+def _flag(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in _TRUE | _FALSE:
+        raise bad_request(f"{name} must be true or false", name)
+    return text in _TRUE

@@ -7,8 +7,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 PNG through the VAE), ``GET /health``. Metrics (the shared ``modalmesh_`` schema,
 ``service="gateway"``) are on ``--metrics-port`` like every service's.
 
-Life cycle as the other services: flags also read from ``MODALMESH_*``, one
-``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
+Life cycle as the other services (the same process shell, ``modalmesh.service.run_process``):
+flags also read from ``MODALMESH_*``, one ``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
 until every backend reports SERVING through gRPC health, and on SIGTERM/SIGINT a
 drain (``/health`` 503, no new connections, in-flight requests finish within
 ``--grace-period``) before exit 0.
@@ -28,11 +28,8 @@ import hmac
 import json
 import logging
 import re
-import signal
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -40,13 +37,11 @@ from aiohttp import web
 import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
-from modalmesh.errors import ConfigError
-from modalmesh.launcher import die_with_parent
-from modalmesh.rpc.security import Security, add_security_arguments
-from modalmesh.service import ENV_PREFIX, _EnvDefaults
+from modalmesh.service import run_process
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
 from services.gateway.backends import Backend
+from services.gateway.config import GatewayConfig, build_parser
 from services.gateway.errors import APIError, bad_request, from_grpc
 
 log = logging.getLogger("modalmesh.gateway")
@@ -57,46 +52,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 PARSE_IN_THREAD_BYTES = 256 * 1024  # bodies this large are decoded off the event loop
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
 _ITEM = re.compile(r"items\[(\d+)\]")
-_TILING = {"auto": pb.TilingOptions.AUTO, "on": pb.TilingOptions.ON, "off": pb.TilingOptions.OFF}
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _EnvDefaults(
-        prog="python -m services.gateway",
-        description="modalmesh gateway: the OpenAI-compatible HTTP API in front of the LLM and VAE services.",
-        epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}LLM=dns:///llm:50051).",
-    )
-    parser.add_argument("--llm", default=None, metavar="TARGET", help="LLM service, e.g. dns:///llm:50051")
-    parser.add_argument("--vae", default=None, metavar="TARGET", help="VAE service (for /v1/images/decode)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id clients use (default: the LLM's model id from its Info)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    parser.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate")
-    parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="... and this private key")
-    add_security_arguments(parser, server=False)  # how the gateway calls the LLM and the VAE
-    parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                        help="allow file:// image URLs for files under DIR (off by default)")
-    parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
-    parser.add_argument("--header-timeout", type=float, default=30.0,
-                        help="seconds a connection may take to send a request's headers (and may stay idle between "
-                             "requests) before it is closed")
-    parser.add_argument("--body-timeout", type=float, default=60.0,
-                        help="seconds a request's body may take to arrive: past it, 408")
-    parser.add_argument("--max-inflight-body-mb", type=float, default=256.0,
-                        help="request bodies being read and parsed at once, together; past it: 503 and Retry-After")
-    parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest image (decoded bytes)")
-    parser.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio clip (decoded bytes)")
-    parser.add_argument("--max-message-mb", type=int, default=256, help="largest gRPC message sent/received")
-    parser.add_argument("--request-timeout", type=float, default=0.0,
-                        help="deadline of a Generate call in seconds (0: none)")
-    parser.add_argument("--decode-timeout", type=float, default=300.0, help="deadline of a VAE Decode call")
-    parser.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return parser
 
 
 def error_response(err: APIError, headers: dict | None = None) -> web.Response:
@@ -105,15 +60,6 @@ def error_response(err: APIError, headers: dict | None = None) -> web.Response:
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _flag(value, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text not in _TRUE | _FALSE:
-        raise bad_request(f"{name} must be true or false", name)
-    return text in _TRUE
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -145,22 +91,22 @@ def _lone_surrogate(value, path: str, depth: int = 0) -> str | None:
 
 
 class Gateway:
-    def __init__(self, args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None = None):
-        self.args = args
+    def __init__(self, config: GatewayConfig, metrics: metrics_mod.Metrics):
+        self.config = config
         self.metrics = metrics
         self.started = int(time.time())
         self.draining = False
         self._bodies = 0  # bytes reserved by request bodies in flight (_body_budget)
-        root = Path(args.allowed_local_media_path).resolve() if args.allowed_local_media_path else None
-        self.limits = protocol.Limits(max_image_bytes=int(args.max_image_mb * MiB),
-                                      max_audio_bytes=int(args.max_audio_mb * MiB), local_media_root=root)
-        max_message = args.max_message_mb * MiB
-        security = security if security is not None else Security.from_args(args)
-        self.llm = Backend("llm", args.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
-                           on_change=self._health_changed, security=security) if args.llm else None
-        self.vae = Backend("vae", args.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
-                           on_change=self._health_changed, security=security) if args.vae else None
-        self.app = web.Application(client_max_size=int(args.max_request_mb * MiB),
+        self.limits = protocol.Limits(max_image_bytes=int(config.max_image_mb * MiB),
+                                      max_audio_bytes=int(config.max_audio_mb * MiB),
+                                      local_media_root=config.local_media_root)
+        max_message = config.max_message_mb * MiB
+        security = config.security
+        self.llm = Backend("llm", config.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
+                           on_change=self._health_changed, security=security) if config.llm else None
+        self.vae = Backend("vae", config.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
+                           on_change=self._health_changed, security=security) if config.vae else None
+        self.app = web.Application(client_max_size=int(config.max_request_mb * MiB),
                                    middlewares=[self._middleware])
         r = self.app.router
         r.add_post("/v1/chat/completions", self.chat_completions)
@@ -196,16 +142,16 @@ class Gateway:
 
     @property
     def model_id(self) -> str | None:
-        if self.args.served_model_name:
-            return self.args.served_model_name
+        if self.config.served_model_name:
+            return self.config.served_model_name
         return self.llm.info.model_id if self.llm is not None and self.llm.info is not None else None
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body, or 408 once --body-timeout has passed (a client sending a byte a minute)."""
         try:
-            return await asyncio.wait_for(request.read(), self.args.body_timeout)
+            return await asyncio.wait_for(request.read(), self.config.body_timeout)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.args.body_timeout:g} s "
+            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout:g} s "
                                 "(--body-timeout)", code="request_timeout") from None
 
     @contextlib.contextmanager
@@ -215,11 +161,11 @@ class Gateway:
         if request.method not in ("POST", "PUT", "PATCH"):
             yield
             return
-        limit = int(self.args.max_request_mb * MiB)
+        limit = int(self.config.max_request_mb * MiB)
         size = min(request.content_length, limit) if request.content_length is not None else limit
-        if self._bodies + size > int(self.args.max_inflight_body_mb * MiB) and self._bodies:
+        if self._bodies + size > int(self.config.max_inflight_body_mb * MiB) and self._bodies:
             raise APIError(503, f"the gateway is reading {self._bodies / MiB:.0f} MB of other request bodies "
-                                f"(--max-inflight-body-mb {self.args.max_inflight_body_mb:g}); retry shortly",
+                                f"(--max-inflight-body-mb {self.config.max_inflight_body_mb:g}); retry shortly",
                            code="server_busy", headers={"Retry-After": "1"})
         self._bodies += size
         try:
@@ -238,9 +184,9 @@ class Gateway:
         request["start"] = start
         status = 500
         try:
-            if self.args.api_key and request.path.startswith("/v1/"):
+            if self.config.api_key and request.path.startswith("/v1/"):
                 given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-                if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
+                if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):  # constant time
                     raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                    code="invalid_api_key")
             with self._body_budget(request):
@@ -253,7 +199,7 @@ class Gateway:
         except web.HTTPException as exc:  # unknown route, wrong method, body over --max-request-mb
             status = exc.status
             message = {404: f"no route {request.method} {request.path}",
-                       413: f"request body over {self.args.max_request_mb:g} MB (--max-request-mb)"}.get(
+                       413: f"request body over {self.config.max_request_mb:g} MB (--max-request-mb)"}.get(
                            exc.status, exc.reason)
             return error_response(APIError(exc.status, message), headers={
                 k: v for k, v in exc.headers.items() if k.lower() == "allow"})
@@ -328,7 +274,7 @@ class Gateway:
             parse = lambda: protocol.completion_request(body, rid)  # noqa: E731
         parsed = await asyncio.to_thread(parse) if (request.content_length or 0) > PARSE_IN_THREAD_BYTES else parse()
         fingerprint = llm.info.weights_fingerprint or None
-        timeout = self.args.request_timeout or None
+        timeout = self.config.request_timeout or None
         call = llm.stub.Generate(parsed.grpc, timeout=timeout)
         try:
             first = await self._read(call, parsed.item_params)
@@ -434,9 +380,9 @@ class Gateway:
         options: dict = dict(request.query)
         if request.content_type.startswith("multipart/"):
             try:
-                tensor = await asyncio.wait_for(self._latents_multipart(request, options), self.args.body_timeout)
+                tensor = await asyncio.wait_for(self._latents_multipart(request, options), self.config.body_timeout)
             except asyncio.TimeoutError:
-                raise APIError(408, f"the upload did not arrive within {self.args.body_timeout:g} s (--body-timeout)",
+                raise APIError(408, f"the upload did not arrive within {self.config.body_timeout:g} s (--body-timeout)",
                                code="request_timeout") from None
         elif request.content_type == "application/json":
             body = await self._json(request)
@@ -459,30 +405,9 @@ class Gateway:
                 raise bad_request("no latents: send a .npy / .safetensors file as the body, as multipart field "
                                   "'file', or base64 in JSON", "latents")
             tensor = latents_mod.from_file(data)
-        decode = pb.DecodeRequest(latents=tensor, output=pb.PNG)
-        fmt = str(options.get("response_format", "b64_json"))
-        if fmt not in ("b64_json", "png"):
-            raise bad_request("response_format must be b64_json or png", "response_format")
-        if fmt == "png" and tensor.shape[0] != 1:
-            raise bad_request(f"response_format png returns one image; these latents hold {tensor.shape[0]} "
-                              "(use b64_json)", "response_format")
-        if "skip_scaling" in options:
-            decode.skip_scaling = _flag(options["skip_scaling"], "skip_scaling")
-        tiling = str(options.get("tiling", "auto")).lower()
-        if tiling not in _TILING:
-            raise bad_request("tiling must be auto, on or off", "tiling")
-        decode.tiling.mode = _TILING[tiling]
-        for key in ("tile_latent_size", "overlap_latent"):
-            if key in options:
-                try:
-                    value = int(options[key])
-                except (TypeError, ValueError):
-                    raise bad_request(f"{key} must be an integer", key) from None
-                if not 0 <= value <= protocol.INT32_MAX:
-                    raise bad_request(f"{key} must be in [0, {protocol.INT32_MAX}]", key)
-                setattr(decode.tiling, key, value)
+        decode, fmt = latents_mod.decode_request(tensor, options)
         try:
-            reply = await vae.stub.Decode(decode, timeout=self.args.decode_timeout)
+            reply = await vae.stub.Decode(decode, timeout=self.config.decode_timeout)
         except grpc.RpcError as exc:
             raise from_grpc(exc, "vae") from None
         if fmt == "png":
@@ -491,7 +416,7 @@ class Gateway:
                                   "data": [{"b64_json": base64.b64encode(png).decode()} for png in reply.png]})
 
     async def _latents_multipart(self, request: web.Request, options: dict) -> pb.Tensor:
-        limit = int(self.args.max_request_mb * MiB)
+        limit = int(self.config.max_request_mb * MiB)
         reader = await request.multipart()
         data = None
         while (part := await reader.next()) is not None:
@@ -500,7 +425,7 @@ class Gateway:
                 while chunk := await part.read_chunk(1 << 16):
                     buf += chunk
                     if len(buf) > limit:
-                        raise APIError(413, f"latents file over {self.args.max_request_mb:g} MB (--max-request-mb)")
+                        raise APIError(413, f"latents file over {self.config.max_request_mb:g} MB (--max-request-mb)")
                 data = bytes(buf)
             elif part.filename is not None:
                 raise bad_request(f"unexpected file field {part.name!r}; send the latents as field 'file'", part.name)
@@ -522,39 +447,36 @@ class Gateway:
         return web.json_response(body, status=200 if state == "ok" else 503)
 
 
-async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security: Security | None = None) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    gateway = Gateway(args, metrics, security)
+async def serve(config: GatewayConfig, metrics: metrics_mod.Metrics, stop: asyncio.Event) -> int:
+    """Serve HTTP until `stop` is set (SIGTERM / SIGINT, by the process shell), then drain."""
+    gateway = Gateway(config, metrics)
     # aiohttp closes a connection whose request has not arrived (or that idles) after keepalive_timeout:
     # that is the header timeout (half-sent requests once stayed open).
-    runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=args.grace_period,
-                           keepalive_timeout=args.header_timeout)
+    runner = web.AppRunner(gateway.app, handler_cancellation=True, shutdown_timeout=config.grace_period,
+                           keepalive_timeout=config.header_timeout)
     await runner.setup()
     ssl_context = None
-    if args.ssl_certfile or args.ssl_keyfile:
+    if config.ssl_certfile or config.ssl_keyfile:
         import ssl
 
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        ssl_context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     try:
-        await web.TCPSite(runner, args.host, args.port, ssl_context=ssl_context).start()
+        await web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context).start()
     except OSError as exc:
-        log.error("cannot bind HTTP to %s:%d: %s", args.host, args.port, exc)
+        log.error("cannot bind HTTP to %s:%d: %s", config.host, config.port, exc)
         await runner.cleanup()
         await gateway.close()
         return 1
     port = runner.addresses[0][1]
-    metrics_port = metrics.start_exporter(args.host, args.metrics_port) if args.metrics_port >= 0 else -1
+    metrics_port = metrics.start_exporter(config.host, config.metrics_port) if config.metrics_port >= 0 else -1
     metrics.ready.set(0)
     gateway.start()
     # One machine-readable line, as the other services log theirs (launch.GatewayProcess reads it).
-    log.info("listening http=%s:%d metrics=%s:%d", args.host, port, args.host, metrics_port)
+    log.info("listening http=%s:%d metrics=%s:%d", config.host, port, config.host, metrics_port)
     try:
         await stop.wait()
-        log.info("draining (grace %.1fs)", args.grace_period)
+        log.info("draining (grace %.1fs)", config.grace_period)
         gateway.draining = True
         metrics.ready.set(0)
         await runner.cleanup()  # stops listening, lets in-flight requests finish within the grace period
@@ -566,31 +488,10 @@ async def serve(args: argparse.Namespace, metrics: metrics_mod.Metrics, security
 
 
 def main(argv=None) -> int:
-    die_with_parent()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
-    if not args.llm and not args.vae:
-        print("error: give --llm TARGET (and/or --vae TARGET)", file=sys.stderr)
-        return 2
-    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
-        print(f"error: --allowed-local-media-path {args.allowed_local_media_path}: not a directory", file=sys.stderr)
-        return 2
-    for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
-        if getattr(args, flag) <= 0:
-            print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
-            return 2
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        print("error: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
-        return 2
-    try:
-        security = Security.from_args(args)  # readable files, consistent flags: checked before serving
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    metrics = metrics_mod.install(metrics_mod.Metrics("gateway"))
-    code = asyncio.run(serve(args, metrics, security))
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a late second signal must not turn exit 0 into -15
-        signal.signal(sig, signal.SIG_IGN)
-    return code
+    """`python -m services.gateway`: the process shell every service runs in (modalmesh.service.run_process)."""
+
+    def setup(args: argparse.Namespace, metrics: metrics_mod.Metrics):
+        config = GatewayConfig.from_args(args)  # consistent flags, readable files: checked before serving
+        return lambda stop: serve(config, metrics, stop)
+
+    return run_process("gateway", build_parser(), setup, argv)

@@ -17,6 +17,7 @@ from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, FailedPrecondition, InvalidArgument, ModalmeshError
 from modalmesh.image_grid import ImageGrid
 from modalmesh.service import Service
+from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.config import LLMConfig
@@ -26,18 +27,6 @@ from services.llm.sampling import RequestLimits, SamplingParams
 from services.llm.runner import ModelRunner
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
-
-
-class LLMServicer(pb.llm_pb2_grpc.LLMServiceServicer):
-    def __init__(self, service: LLMService):
-        self.service = service
-
-    async def Generate(self, request, context):
-        async for response in self.service.generate(request, context.time_remaining()):
-            yield response
-
-    async def Info(self, request, context):
-        return self.service.info()
 
 
 class LLMService(Service):
@@ -97,7 +86,8 @@ class LLMService(Service):
                                  "call, bytes otherwise); off: always message bytes")
 
     def register(self, server) -> None:
-        server.add_service(self.grpc_service, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server, LLMServicer(self))
+        server.add_service(self.grpc_service, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server,
+                           ForwardingServicer(self, Generate=self.generate))
 
     async def load(self) -> None:
         await super().load()
@@ -167,6 +157,7 @@ class LLMService(Service):
         return info
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
+        """Generate: the request's deltas as they come; `timeout` is what the caller's deadline leaves."""
         if self.engine is None:
             raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
         cfg = self.model_config

@@ -1,18 +1,20 @@
-"""The decoder's view of a diffusers AutoencoderKL config.json: frozen, validated once.
+"""The VAE service's configuration: the checkpoint's (VAEConfig) and the service's own (VAEServiceConfig).
 
     vae_dir = find_vae_dir(model_dir)          # DIR/vae/ (pipeline layout) or DIR (standalone VAE)
     cfg = VAEConfig.from_dir(vae_dir)
     cfg.latent_channels, cfg.scale_factor, cfg.unscale(latents)
+    settings = VAEServiceConfig.from_args(args)  # the flags, once: nothing below the service reads args
 
-Only this module reads the raw config. Families: SD 1.x / 2.x (4 latent channels,
+Both are frozen and checked once. Only this module reads the raw config.json. Families: SD 1.x / 2.x (4 latent channels,
 quant convs, scaling 0.18215), SDXL (scaling 0.13025, optional latents_mean/std),
 SD3 / FLUX (16 channels, shift_factor, no quant convs).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -162,3 +164,52 @@ class VAEConfig:
         if self.shift_factor is not None:
             latents = latents + self.shift_factor
         return latents
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one Decode request may ask for (services/vae/inputs.py checks it)."""
+
+    max_images: int = 16  # --max-images
+    max_latent_side: int = 1024  # --max-latent-side
+    max_reply_bytes: int = 256 << 20  # --max-message-mb: the reply must fit in one message
+
+
+@dataclass(frozen=True)
+class VAEServiceConfig:
+    """The VAE service's flags as one frozen value, built once (the ModelRunner pattern)."""
+
+    max_batch: int = 8  # images per decoder call (equal latent shapes)
+    max_queue: int = 64  # requests waiting; beyond: RESOURCE_EXHAUSTED
+    limits: DecodeLimits = field(default_factory=DecodeLimits)
+    # Tiling flags; the tile plan itself (engine.TilingDefaults) also needs the checkpoint's config.
+    tile_size: int = 0
+    tile_overlap: int = -1
+    tile_threshold: int = 0
+    tile_batch: int = 4
+    max_decode_seconds: float = 300.0  # 0: no budget
+    untiled_budget_bytes: int = 0  # 0: free device memory on CUDA
+    channels_last: bool = False
+    cudnn_benchmark: bool = False
+    png_compress_level: int = 1
+    dummy_weights: bool = False
+
+    def __post_init__(self):
+        for flag, value in (("max_batch", self.max_batch), ("max_queue", self.max_queue),
+                            ("max_images", self.limits.max_images),
+                            ("max_latent_side", self.limits.max_latent_side), ("tile_batch", self.tile_batch)):
+            if value < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VAEServiceConfig:
+        return cls(
+            max_batch=args.max_batch, max_queue=args.max_queue,
+            limits=DecodeLimits(max_images=args.max_images, max_latent_side=args.max_latent_side,
+                                max_reply_bytes=args.max_message_mb << 20),
+            tile_size=args.tile_size, tile_overlap=args.tile_overlap, tile_threshold=args.tile_threshold,
+            tile_batch=args.tile_batch, max_decode_seconds=args.max_decode_seconds,
+            untiled_budget_bytes=args.max_untiled_mb << 20, channels_last=args.channels_last,
+            cudnn_benchmark=args.cudnn_benchmark, png_compress_level=args.png_compress_level,
+            dummy_weights=args.dummy_weights,
+        )

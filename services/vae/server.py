@@ -1,11 +1,11 @@
-"""VAEService: thin gRPC servicer over the VAE decoder.
+"""VAEDecoderService: the VAE decoder behind modalmesh.v1.VAEService; the servicer forwards to it.
 
-Decode: validate (shape, channels, dtype, finiteness, size limits, tiling options)
--> unscale as the diffusers pipelines do -> bounded queue -> a worker batches
-requests of equal latent shape and tiling (up to --max-batch images) and runs the
-decoder in a thread -> pixels split per request -> PNG / uint8 / float32.
-A full queue is RESOURCE_EXHAUSTED; bad input is INVALID_ARGUMENT; the service
-stays up either way.
+Decode: the request becomes a typed DecodeJob (inputs.py: every check, unscaling as the
+diffusers pipelines do) -> a bounded queue whose worker batches jobs of equal latent
+shape and tiling (batcher.py, up to --max-batch images) and runs the decoder in a
+thread (engine.py) -> pixels split per request -> PNG / uint8 / float32 here. A full
+queue is RESOURCE_EXHAUSTED; bad input is INVALID_ARGUMENT; the service stays up
+either way.
 """
 
 from __future__ import annotations
@@ -13,151 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from modalmesh import pb
-from modalmesh.errors import ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from modalmesh.rpc.codec import TORCH_DTYPES, dtype_name, from_proto, to_proto
-from modalmesh.rpc.server import MiB
+from modalmesh.errors import ConfigError, FailedPrecondition
+from modalmesh.rpc.codec import to_proto
+from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.service import Service
-from services.vae.config import VAEConfig, find_vae_dir
-from services.vae.engine import AUTO, OFF, ON, TilingDefaults, TilingRequest, VAEEngine, encode_png, to_uint8, to_unit
-from services.vae.tiling import TileGrid
+from services.vae.batcher import DecodeBatcher, JobResult, decode_jobs
+from services.vae.config import VAEConfig, VAEServiceConfig, find_vae_dir
+from services.vae.engine import TilingDefaults, VAEEngine, encode_png
+from services.vae.inputs import DecodeJob, OutputFormat, decode_job
 from services.vae.weights import build_decoder, load_decoder
 
 log = logging.getLogger(__name__)
-
-_MODES = {pb.TilingOptions.AUTO: AUTO, pb.TilingOptions.ON: ON, pb.TilingOptions.OFF: OFF}
-_OUTPUTS = {pb.PNG: "PNG", pb.TENSOR_UINT8: "TENSOR_UINT8", pb.TENSOR_FLOAT: "TENSOR_FLOAT"}
-_FLOAT_WIRE = {pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16}
-MAX_TILES_PER_IMAGE = 1024
-
-
-@dataclass
-class DecodeJob:
-    z: torch.Tensor  # (B, C, h, w) float32 on CPU, as AutoencoderKL.decode takes it
-    tiling: TilingRequest
-    output: int  # pb.OutputFormat
-    future: asyncio.Future = field(default=None, repr=False)
-
-    @property
-    def key(self) -> tuple:
-        return (*self.z.shape[1:], self.tiling)
-
-    @property
-    def images(self) -> int:
-        return self.z.shape[0]
-
-
-@dataclass
-class JobResult:
-    pixels: torch.Tensor  # CPU: (B, H, W, 3) uint8 for PNG/TENSOR_UINT8, (B, 3, H, W) float32 for TENSOR_FLOAT
-    tiles: int
-
-
-class DecodeBatcher:
-    """Bounded FIFO of decode jobs; one worker batches jobs of equal key and runs `run` in a thread.
-
-    `run(jobs) -> results` is called with 1..n jobs sharing a key and at most `max_batch` images
-    (a single job larger than that runs alone; the engine splits it).
-    """
-
-    def __init__(self, run: Callable[[list[DecodeJob]], list[JobResult]], *, max_queue: int, max_batch: int,
-                 metrics=None):
-        self.run = run
-        self.max_queue = max(1, max_queue)
-        self.max_batch = max(1, max_batch)
-        self.metrics = metrics
-        self._pending: deque[DecodeJob] = deque()
-        self._wakeup = asyncio.Event()
-        self._worker: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._loop(), name="vae-batcher")
-
-    async def stop(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except asyncio.CancelledError:
-                pass
-            self._worker = None
-        while self._pending:
-            job = self._pending.popleft()
-            if not job.future.done():
-                job.future.set_exception(FailedPrecondition("the service is shutting down"))
-
-    async def submit(self, job: DecodeJob) -> JobResult:
-        if self._worker is None or self._worker.done():
-            raise FailedPrecondition("the decode worker is not running (service starting or stopping)")
-        if len(self._pending) >= self.max_queue:
-            raise ResourceExhausted(f"decode queue is full ({self.max_queue} requests waiting); retry later")
-        job.future = asyncio.get_running_loop().create_future()
-        self._pending.append(job)
-        self._depth()
-        self._wakeup.set()
-        return await job.future  # a cancelled RPC cancels the future; the worker then skips the job
-
-    def _depth(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._pending))
-
-    def _take(self) -> list[DecodeJob]:
-        batch: list[DecodeJob] = []
-        kept: deque[DecodeJob] = deque()
-        images = 0
-        while self._pending:
-            job = self._pending.popleft()
-            if job.future.done():  # cancelled while waiting
-                continue
-            if not batch:
-                batch.append(job)
-                images = job.images
-            elif job.key == batch[0].key and images + job.images <= self.max_batch:
-                batch.append(job)
-                images += job.images
-            else:
-                kept.append(job)
-        self._pending = kept
-        return batch
-
-    async def _loop(self) -> None:
-        while True:
-            while not self._pending:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            batch = self._take()
-            self._depth()
-            if not batch:
-                continue
-            try:
-                results = await asyncio.to_thread(self.run, batch)
-            except Exception as exc:  # noqa: BLE001 - handed to every caller of the batch
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
-                continue
-            for job, result in zip(batch, results):
-                if not job.future.done():
-                    job.future.set_result(result)
-
-
-class VAEServicer(pb.vae_pb2_grpc.VAEServiceServicer):
-    def __init__(self, service: VAEDecoderService):
-        self.service = service
-
-    async def Decode(self, request, context):
-        return await self.service.decode(request)
-
-    async def Info(self, request, context):
-        return self.service.info()
 
 
 class VAEDecoderService(Service):
@@ -190,21 +60,20 @@ class VAEDecoderService(Service):
 
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
+        # The one place the VAE reads its flags: everything below takes this value.
+        self.settings = settings = VAEServiceConfig.from_args(args)
         self.cfg: VAEConfig | None = None
         self.vae_dir = None
         self.model = None
         self.engine: VAEEngine | None = None
         self.batcher: DecodeBatcher | None = None
-        for flag in ("max_batch", "max_queue", "max_images", "max_latent_side", "tile_batch"):
-            if getattr(args, flag) < 1:
-                raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1")
         if self.model_dir is None:
             log.warning("no --model: serving no VAE (Decode answers FAILED_PRECONDITION)")
             return
         self.vae_dir = find_vae_dir(self.model_dir)
         self.cfg = VAEConfig.from_dir(self.vae_dir)
-        self.tiling = TilingDefaults.for_config(self.cfg, args.tile_size, args.tile_overlap, args.tile_threshold,
-                                                args.tile_batch)
+        self.tiling = TilingDefaults.for_config(self.cfg, settings.tile_size, settings.tile_overlap,
+                                                settings.tile_threshold, settings.tile_batch)
         if self.tiling.overlap >= self.tiling.tile:
             raise ConfigError(f"--tile-overlap {self.tiling.overlap} must be smaller than the tile "
                               f"({self.tiling.tile})")
@@ -215,21 +84,23 @@ class VAEDecoderService(Service):
         self.model = build_decoder(self.cfg, dtype=self.dtype, seqlen_hint=self.tiling.threshold ** 2)
 
     def register(self, server) -> None:
-        server.add_service(self.grpc_service, pb.vae_pb2_grpc.add_VAEServiceServicer_to_server, VAEServicer(self))
+        server.add_service(self.grpc_service, pb.vae_pb2_grpc.add_VAEServiceServicer_to_server,
+                           ForwardingServicer(self, Decode=self.decode))
 
     async def load(self) -> None:
         await super().load()
         if self.model is None:
             return
-        if self.device.type == "cuda" and self.args.cudnn_benchmark:
+        settings = self.settings
+        if self.device.type == "cuda" and settings.cudnn_benchmark:
             torch.backends.cudnn.benchmark = True
         await asyncio.to_thread(load_decoder, self.model, self.vae_dir, device=self.device, dtype=self.dtype,
-                                dummy=self.args.dummy_weights, metrics=self.metrics)
+                                dummy=settings.dummy_weights, metrics=self.metrics)
         self.engine = VAEEngine(self.cfg, self.model, device=self.device, dtype=self.dtype, tiling=self.tiling,
-                                max_batch=self.args.max_batch, channels_last=self.args.channels_last,
-                                untiled_budget_bytes=self.args.max_untiled_mb * MiB)
+                                max_batch=settings.max_batch, channels_last=settings.channels_last,
+                                untiled_budget_bytes=settings.untiled_budget_bytes)
         await asyncio.to_thread(self.engine.warm_up)
-        self.batcher = DecodeBatcher(self._run_batch, max_queue=self.args.max_queue, max_batch=self.args.max_batch,
+        self.batcher = DecodeBatcher(self._decode_jobs, max_queue=settings.max_queue, max_batch=settings.max_batch,
                                      metrics=self.metrics)
         self.batcher.start()
         log.info("VAE ready: %d latent channels, x%d, %s on %s, attention %s, tiles %d/%d (threshold %d)",
@@ -260,10 +131,10 @@ class VAEDecoderService(Service):
             "tile_latent_size": str(self.tiling.tile),
             "tile_overlap_latent": str(self.tiling.overlap),
             "tile_threshold_latent": str(self.tiling.threshold),
-            "max_batch": str(self.args.max_batch),
-            "max_images": str(self.args.max_images),
-            "max_latent_side": str(self.args.max_latent_side),
-            "max_queue": str(self.args.max_queue),
+            "max_batch": str(self.settings.max_batch),
+            "max_images": str(self.settings.limits.max_images),
+            "max_latent_side": str(self.settings.limits.max_latent_side),
+            "max_queue": str(self.settings.max_queue),
         })
         return info
 
@@ -273,99 +144,19 @@ class VAEDecoderService(Service):
             raise FailedPrecondition("no VAE is loaded: start the service with --model DIR")
         job = await asyncio.to_thread(self.validate, request)
         result = await self.batcher.submit(job)
-        return await asyncio.to_thread(self._respond, result, request.output)
+        return await asyncio.to_thread(self._respond, result, job.output)
 
     def validate(self, request: pb.DecodeRequest) -> DecodeJob:
-        """The request as a DecodeJob, or InvalidArgument saying what is wrong with it."""
-        cfg, args = self.cfg, self.args
-        if request.output not in _OUTPUTS:
-            raise InvalidArgument(f"output: unknown format {request.output} (PNG, TENSOR_UINT8, TENSOR_FLOAT)")
-        if request.tiling.mode not in _MODES:
-            raise InvalidArgument(f"tiling.mode: unknown mode {request.tiling.mode} (AUTO, ON, OFF)")
-        if not request.HasField("latents"):
-            raise InvalidArgument("latents: missing (a (B, C, h, w) float tensor)")
-        wire = request.latents.dtype
-        if wire in TORCH_DTYPES and wire not in _FLOAT_WIRE:  # unknown/unspecified: the codec says so below
-            raise InvalidArgument(f"latents: dtype {dtype_name(wire)} is not a float type "
-                                  "(FLOAT32, FLOAT16 or BFLOAT16)")
-        shape = list(request.latents.shape)
-        if len(shape) != 4:
-            raise InvalidArgument(f"latents: shape {shape} is not (B, C, h, w)")
-        b, c, h, w = shape
-        if c != cfg.latent_channels:
-            raise InvalidArgument(f"latents: {c} channels, but this VAE takes {cfg.latent_channels}")
-        if min(b, h, w) < 1:
-            raise InvalidArgument(f"latents: shape {shape} is empty")
-        if b > args.max_images:
-            raise InvalidArgument(f"latents: {b} images in one request; the limit is {args.max_images} (--max-images)")
-        if max(h, w) > args.max_latent_side:
-            raise InvalidArgument(f"latents: {h}x{w} exceeds the largest latent side {args.max_latent_side} "
-                                  f"({args.max_latent_side * cfg.scale_factor} pixels; --max-latent-side)")
-        height, width = h * cfg.scale_factor, w * cfg.scale_factor
-        per_pixel = {pb.PNG: 3.03, pb.TENSOR_UINT8: 3, pb.TENSOR_FLOAT: 12}[request.output]
-        reply_bytes = b * (per_pixel * height * width + 1024)
-        if reply_bytes > args.max_message_mb * MiB:
-            raise InvalidArgument(
-                f"the reply ({b} x {height}x{width} {_OUTPUTS[request.output]}, ~{math.ceil(reply_bytes / MiB)} MiB) "
-                f"would exceed --max-message-mb {args.max_message_mb}; send fewer or smaller latents")
-        tiling = self._tiling(request.tiling, h, w)
-        if tiling.mode == OFF and self.engine is not None and not self.engine.fits(b, h, w):
-            need, budget = self.engine.untiled_bytes(b, h, w), self.engine.budget_bytes()
-            raise InvalidArgument(f"tiling OFF: decoding {b} latent(s) of {h}x{w} untiled needs about "
-                                  f"{need / MiB:.0f} MiB, more than the {budget / MiB:.0f} MiB this server has for "
-                                  "it; leave tiling AUTO or ON")
-        z = from_proto(request.latents, name="latents")
-        z = z.to(torch.float32)  # FLOAT32 stays a view of the message's bytes: nothing below writes in place
-        if not bool(torch.isfinite(z).all()):
-            bad = int((~torch.isfinite(z)).sum())
-            raise InvalidArgument(f"latents: {bad} value(s) are NaN or infinite")
-        if not request.skip_scaling:
-            z = cfg.unscale(z)
-        return DecodeJob(z=z, tiling=tiling, output=request.output)
+        """The request as a DecodeJob, or InvalidArgument saying what is wrong with it (inputs.py)."""
+        return decode_job(request, cfg=self.cfg, limits=self.settings.limits, tiling=self.tiling, engine=self.engine)
 
-    def _tiling(self, opts: pb.TilingOptions, h: int, w: int) -> TilingRequest:
-        tile, overlap = int(opts.tile_latent_size), int(opts.overlap_latent)
-        if tile < 0 or overlap < 0:
-            raise InvalidArgument(f"tiling: tile_latent_size {tile} / overlap_latent {overlap} must be >= 0")
-        if tile and tile < 4:
-            raise InvalidArgument(f"tiling: tile_latent_size {tile} is below the minimum of 4")
-        req = TilingRequest(mode=_MODES[opts.mode], tile=tile, overlap=overlap if overlap else -1)
-        grid_tile = tile or self.tiling.tile
-        if overlap and overlap >= grid_tile:
-            raise InvalidArgument(f"tiling: overlap_latent {overlap} must be smaller than the tile ({grid_tile})")
-        if req.mode != OFF:
-            grid = self.engine.grid(h, w, req) if self.engine else TileGrid.plan(h, w, tile=grid_tile, overlap=0)
-            if grid.count > MAX_TILES_PER_IMAGE:
-                raise InvalidArgument(f"tiling: {grid.count} tiles per image (limit {MAX_TILES_PER_IMAGE}); "
-                                      "use a larger tile_latent_size")
-        return req
+    def _decode_jobs(self, jobs: list[DecodeJob], abandoned) -> list[JobResult]:
+        return decode_jobs(self.engine, jobs, abandoned, budget_s=self.settings.max_decode_seconds,
+                           metrics=self.metrics)
 
-    def _run_batch(self, jobs: list[DecodeJob]) -> list[JobResult]:
-        """Worker thread: one decoder call (or one tiled decode) for jobs of one key."""
-        z = jobs[0].z if len(jobs) == 1 else torch.cat([j.z for j in jobs])
-        # A cancelled RPC cancels its job's future: once every job of the batch is gone, stop decoding.
-        result = self.engine.decode(z, jobs[0].tiling,
-                                    should_stop=lambda: all(j.future is not None and j.future.cancelled()
-                                                            for j in jobs),
-                                    budget_s=self.args.max_decode_seconds)
-        images = z.shape[0]
-        height, width = result.pixels.shape[-2:]
-        self.metrics.batch_size.observe(images)
-        self.metrics.decoded_images_total.inc(images)
-        self.metrics.decoded_pixels_total.inc(images * height * width)
-        if result.tiles > 1:
-            self.metrics.vae_tiles_total.inc(result.tiles * images)
-        out, start = [], 0
-        for job in jobs:
-            part = result.pixels[start:start + job.images]
-            start += job.images
-            pixels = to_unit(part) if job.output == pb.TENSOR_FLOAT else to_uint8(part)
-            out.append(JobResult(pixels.cpu(), result.tiles))
-        return out
-
-    def _respond(self, result: JobResult, output: int) -> pb.DecodeResponse:
-        if output == pb.PNG:
-            level = self.args.png_compress_level
+    def _respond(self, result: JobResult, output: OutputFormat) -> pb.DecodeResponse:
+        if output == OutputFormat.PNG:
+            level = self.settings.png_compress_level
             return pb.DecodeResponse(png=[encode_png(img, level) for img in result.pixels], tiles=result.tiles)
         return pb.DecodeResponse(pixels=to_proto(result.pixels), tiles=result.tiles)
 

@@ -39,20 +39,21 @@ class VisionEncoderService(EncoderService):
         parser.add_argument("--siglip-output", default="patch", choices=OUTPUTS,
                             help="SigLIP rows: patch embeddings (after post_layernorm), the pooled embedding, "
                                  "or both (patch rows, then the pooled row)")
-        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                            help="skip the warm-up forward before turning SERVING")
+
+    @classmethod
+    def model_options(cls, args: argparse.Namespace) -> dict:
+        return {"max_image_pixels": args.max_image_pixels,
+                "max_image_decoded_bytes": int(args.max_image_decoded_mb * MiB),
+                "decode_memory_bytes": int(args.decode_memory_mb * MiB),
+                "max_request_pixels": args.max_request_pixels,
+                "siglip_output": args.siglip_output}
 
     def build_model(self) -> VisionEncoderModel:
         model = build_encoder_model(
-            self.model_dir, device=self.device, dtype=self.dtype, dummy=self.args.dummy_weights,
-            options={"max_image_pixels": self.args.max_image_pixels,
-                     "max_image_decoded_bytes": int(self.args.max_image_decoded_mb * MiB),
-                     "decode_memory_bytes": int(self.args.decode_memory_mb * MiB),
-                     "max_request_pixels": self.args.max_request_pixels,
-                     "siglip_output": self.args.siglip_output},
-            metrics=self.metrics,
+            self.model_dir, device=self.device, dtype=self.dtype, dummy=self.config.dummy_weights,
+            options=dict(self.config.model_options), metrics=self.metrics,
         )
-        if self.args.warmup:
+        if self.config.warmup:
             model.warmup()
         return model
 

@@ -1,0 +1,101 @@
+"""Command-line flags of every modalmesh server process: env-aware, defaults shown in --help.
+
+    parser = EnvArgumentParser(prog="python -m services.gateway", description=...)
+    add_process_arguments(parser, port=8000, protocol="HTTP")  # --host --port --metrics-port
+                                                               # --grace-period --log-level
+    args = parser.parse_args()                                 # MODALMESH_PORT=9000 sets --port's default
+
+Every option defaults to the environment variable ``MODALMESH_<DEST>`` when it is set
+(compose files and Kubernetes manifests configure services that way); a flag on the
+command line still wins. A value the flag's type rejects fails parsing naming the
+variable. Nothing here imports torch or grpc: ``--help`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+
+ENV_PREFIX = "MODALMESH_"
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def env_name(dest: str) -> str:
+    """The environment variable that sets the flag with this `dest`: ``port`` -> ``MODALMESH_PORT``."""
+    return ENV_PREFIX + dest.upper()
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help when it has a default worth showing (not None, not a
+    switch's False), so ``--help`` says what happens when the flag is left out."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default is not None \
+            and action.default is not argparse.SUPPRESS and not isinstance(action, (
+                argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._shows_default(action):  # a flag without help still shows its default
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose options default to ``MODALMESH_<DEST>`` when that variable is set.
+
+    Switches (store_true) read 1/0, true/false, yes/no, on/off; anything else is an error naming
+    the variable, as is a value the flag's type or choices reject. The environment is read at
+    parse time, so ``--help`` shows the defaults the environment set.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        kwargs.setdefault("epilog", f"Every flag can also be set as {ENV_PREFIX}<FLAG> "
+                                    f"(e.g. {ENV_PREFIX}PORT=50051).")
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        for action in self._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            raw = os.environ.get(env_name(action.dest))
+            if raw is None:
+                continue
+            if isinstance(action, argparse._StoreTrueAction):
+                value = raw.strip().lower()
+                if value not in TRUE_WORDS | FALSE_WORDS:
+                    self.error(f"{env_name(action.dest)}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+                action.default = value in TRUE_WORDS
+            else:
+                try:
+                    action.default = action.type(raw) if action.type else raw
+                except (TypeError, ValueError):
+                    self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}")
+        return super().parse_known_args(args, namespace)
+
+
+def add_process_arguments(parser: argparse.ArgumentParser, *, port: int, protocol: str = "gRPC",
+                          what: str = "calls") -> None:
+    """The flags every server process has: where it listens, its metrics port, its drain, its log level.
+
+    `protocol` names what `--port` speaks ("gRPC", "HTTP"); `what` names what the drain lets finish.
+    """
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"address the {protocol} and metrics servers bind "
+                             "(0.0.0.0: every interface; containers set it)")
+    parser.add_argument("--port", type=int, default=port, help=f"{protocol} port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
+    parser.add_argument("--grace-period", type=float, default=30.0,
+                        help=f"seconds in-flight {what} get to finish on SIGTERM")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log level")
