@@ -23,7 +23,7 @@ from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
-from modalmesh.launcher import die_with_parent
+from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
 from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
 

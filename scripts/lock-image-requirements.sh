@@ -2,7 +2,7 @@
 # Regenerate deploy/docker/requirements.txt: every Python package the image installs besides
 # torch and the project, pinned. Resolves in a throwaway venv with the CPU torch (same
 # dependencies as the CUDA build but the nvidia-* wheels, which torch pins itself), the
-# project, diffusers (modalmesh.tiny's VAE) and the stub-generating build tools, constrained
+# project, diffusers (modalmesh.testing.tiny's VAE) and the stub-generating build tools, constrained
 # to the versions of the current lock where they still fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."

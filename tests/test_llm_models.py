@@ -20,11 +20,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from modalmesh import distributed, tiny
+from modalmesh import distributed
 from modalmesh.attention import AttentionSelector, PagedMetadata, Platform
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.kv.pool import build_kv_pool
+from modalmesh.testing import tiny
 from modalmesh.weights import CheckpointReader, MissingWeightsError, UnexpectedWeightsError
 from modalmesh.weights import loader as weights_loader
 from services.llm.loader import load_llm

@@ -41,7 +41,7 @@ import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
-from modalmesh.launcher import die_with_parent
+from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import Security, add_security_arguments
 from modalmesh.service import ENV_PREFIX, _EnvDefaults
 from services.gateway import latents as latents_mod

@@ -7,7 +7,7 @@ extractor configs. Tests, the demo's default models and benchmarks use them.
 Their outputs are meaningless: they exist to exercise real loading and to
 compare against the references.
 
-    python -m modalmesh.tiny OUT_DIR [--only qwen2_vl,vae]
+    python -m modalmesh.testing.tiny OUT_DIR [--only qwen2_vl,vae]
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def ensure(name: str, root: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m modalmesh.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m modalmesh.testing.tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default=",".join(MAKERS), help="comma-separated names")
     args = parser.parse_args(argv)

@@ -9,8 +9,9 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modalmesh import pb, stack
+from modalmesh import pb
 from modalmesh.errors import ConfigError
+from modalmesh.ops import stack
 from modalmesh.rpc.channel import sync_channel
 from modalmesh.rpc.security import Security, add_security_arguments
 
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     def demo(args):
-        from modalmesh.demo import demo as run_demo  # torch, PIL: only when asked for
+        from modalmesh.ops.demo import demo as run_demo  # torch, PIL: only when asked for
 
         return run_demo(args)
 

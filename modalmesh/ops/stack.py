@@ -1,7 +1,7 @@
 """The stack on local processes: start the four services, wait for health, drain on Ctrl-C.
 
 Each service gets the same flags the compose file gives its container; only the
-ports differ (one machine). ``python -m modalmesh.stack up`` == ``modalmesh up``.
+ports differ (one machine). ``python -m modalmesh.ops.stack up`` == ``modalmesh up``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from modalmesh.launcher import ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
 
 SERVICES = ("audio_encoder", "vision_encoder", "llm", "vae")
 
@@ -46,7 +46,7 @@ DEFAULT_MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encode
 
 def default_checkpoints(root: Path, services: list[str]) -> dict[str, Path]:
     """Tiny random checkpoints (made once, then reused from `root`) for services given no --*-model."""
-    from modalmesh import tiny
+    from modalmesh.testing import tiny
 
     print(f"creating / reusing tiny random default checkpoints under {root}\n"
           "  (their outputs are meaningless: pass --llm-model DIR etc. to serve real checkpoints)", flush=True)
@@ -127,7 +127,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m modalmesh.stack")
+    parser = argparse.ArgumentParser(prog="python -m modalmesh.ops.stack")
     sub = parser.add_subparsers(dest="command", required=True)
     add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
     args = parser.parse_args(argv)
