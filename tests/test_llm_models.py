@@ -60,9 +60,8 @@ def _tiny_text(**overrides) -> dict:
 
 # Variants made here with the reference classes: rope scaling, switches, residual styles, windows.
 VARIANTS = {
-    "qwen2_yarn": ("Qwen2", _tiny_text(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                          "original_max_position_embeddings": 32})),
-    "qwen2_linear": ("Qwen2", _tiny_text(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
+    "qwen2_yarn": ("Qwen2", _tiny_text(**tiny._rope("yarn", factor=4.0, original_max_position_embeddings=32))),
+    "qwen2_linear": ("Qwen2", _tiny_text(**tiny._rope("linear", theta=500.0, factor=2.0))),
     "qwen2_sliding": ("Qwen2", _tiny_text(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
                                           max_window_layers=1)),
     "llama_bias_tied": ("Llama", _tiny_text(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
@@ -114,8 +113,11 @@ def reference_logits(ref, name: str, ids=None, embeds=None, positions=None) -> t
         if name not in REF_CLASS:
             return ref(input_ids=ids[None]).logits[0]
         pos = positions[:, None, :] if positions.dim() == 2 else positions[None]
-        hidden = ref.model.language_model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
-        return ref.lm_head(hidden)[0]
+        if hasattr(ref, "lm_head"):
+            hidden = ref.model.language_model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
+            return ref.lm_head(hidden)[0]
+        # transformers 4's Qwen2-Audio wraps a whole causal LM: language_model.{model, lm_head}
+        return ref.language_model(inputs_embeds=embeds[None], position_ids=pos).logits[0]
 
 
 # ---- a minimal engine: the pool, packed batches, paged metadata --------------------------------
@@ -304,6 +306,8 @@ TOWERS = ("visual.", "model.visual.", "audio_tower.", "model.audio_tower.", "mul
 
 @pytest.mark.parametrize("name", MM)
 def test_both_multimodal_layouts_load_the_same_language_model(root, name):
+    if tiny.TRANSFORMERS_4 and name == "qwen2_audio":
+        pytest.skip("transformers 4's Qwen2-Audio keeps the hub layout in memory: there is no second layout to make")
     hub, t5 = checkpoint(root, name), _t5_layout(root, name)
     t5_keys = CheckpointReader(t5).keys()
     assert any(k.startswith("model.language_model.") for k in t5_keys) and "lm_head.weight" in t5_keys
