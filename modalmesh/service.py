@@ -25,7 +25,7 @@ from modalmesh import pb
 from modalmesh.errors import ConfigError
 from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
-from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
+from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
 
@@ -59,6 +59,10 @@ class _EnvDefaults(argparse.ArgumentParser):
                     action.default = action.type(raw) if action.type else raw
                 except (TypeError, ValueError):
                     self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}")
+                # argparse checks choices on the command line only, never on a default: check the env here.
+                if action.choices is not None and action.default not in action.choices:
+                    self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}"
+                               f" (choose from {', '.join(map(str, action.choices))})")
         return super().parse_known_args(args, namespace)
 
 
@@ -67,6 +71,7 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
         prog=f"python -m services.{service}",
         description=description,
         epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=50051).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
     parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
@@ -74,8 +79,9 @@ def build_parser(service: str, description: str, *, max_message_mb: int = 64) ->
                         help="address the gRPC and metrics servers bind (0.0.0.0: every interface; containers set it)")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when visible")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto: the service's choice (bfloat16 on CUDA, float32 on CPU unless it says otherwise)")
     parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
     parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
     parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
@@ -209,7 +215,12 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    code = asyncio.run(_serve(service, config, args, metrics))
+    try:
+        code = asyncio.run(_serve(service, config, args, metrics))
+    except PortInUse as exc:  # one line naming the port and its flag, not a traceback
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # The drain is done: a late second signal must not turn a clean exit into -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
@@ -239,7 +250,10 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
     service.register(server)
     metrics_port = -1
     if args.metrics_port >= 0:
-        metrics_port = metrics.start_exporter(args.host, args.metrics_port)
+        try:
+            metrics_port = metrics.start_exporter(args.host, args.metrics_port)
+        except OSError as exc:
+            raise PortInUse("metrics", f"{args.host}:{args.metrics_port}", "--metrics-port", exc.strerror) from None
 
     def listening(port: int) -> None:
         # One machine-readable line: the stack launcher and tests read the bound ports here.
@@ -247,5 +261,15 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
 
     try:
         return await serve_until_signal(server, service._startup, service.close, on_listening=listening)
+    except BindError as exc:
+        raise PortInUse("gRPC", exc.address, "--port", exc.reason) from None
     finally:
         metrics.stop_exporter()
+
+
+class PortInUse(ConfigError):
+    """A port the service was told to bind cannot be bound: says which (gRPC or metrics) and its flag."""
+
+    def __init__(self, what: str, address: str, flag: str, reason: str | None):
+        super().__init__(f"cannot bind the {what} port {address} ({reason or 'in use, or not an address here'}): "
+                         f"change {flag} ({env_name(flag[2:].replace('-', '_'))}), 0 picks a free port")

@@ -43,7 +43,7 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, rest
-        assert "stopped: audio_encoder=0, vision_encoder=0, llm=0, vae=0" in rest
+        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in rest
         for target in endpoints.values():  # nothing left listening
             with grpc.insecure_channel(target) as channel:
                 try:
@@ -68,7 +68,7 @@ def test_demo_runs_three_requests_and_stops(tmp_path):
     assert "1. image + text" in out and "2. audio + text" in out and "16 completion tokens" in out
     assert (tmp_path / "out" / "demo.png").read_bytes().startswith(b"\x89PNG")
     assert "1 images encoded" in out
-    assert "stopped: audio_encoder=0, vision_encoder=0, llm=0, vae=0" in out
+    assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in out
 
 
 def test_cli_generate_and_decode_against_a_running_stack(tmp_path):

@@ -120,6 +120,10 @@ class ServiceProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    def error_line(self) -> str | None:
+        """The one-line reason a service printed before exiting at start-up (``error: ...``), if any."""
+        return next((line for line in reversed(self.lines) if line.startswith("error: ")), None)
+
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(list(self.lines)[-n:])
 
