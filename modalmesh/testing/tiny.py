@@ -109,10 +109,10 @@ def _rope(rope_type: str = "default", theta: float = 10000.0, **params) -> dict:
 
 
 def _image_processor(name: str, **kwargs):
-    """The PIL (slow) image processor: `XImageProcessorPil` in transformers 5, `XImageProcessor` in 4."""
+    """The PIL (slow) image processor: `XImageProcessorPil` in later transformers 5, `XImageProcessor` before."""
     import transformers
 
-    return getattr(transformers, f"{name}ImageProcessor" if TRANSFORMERS_4 else f"{name}ImageProcessorPil")(**kwargs)
+    return (getattr(transformers, f"{name}ImageProcessorPil", None) or getattr(transformers, f"{name}ImageProcessor"))(**kwargs)
 
 
 def _text_dims(**overrides) -> dict:
