@@ -65,9 +65,9 @@ RUN python3 -m venv /opt/modalmesh \
         -r /tmp/requirements.txt "${TORCH_SPEC}" \
     && /opt/modalmesh/bin/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# ---- the project: setup.py generates the gRPC stubs while building the wheel
+# ---- the project (its gRPC stubs are committed in modalmesh/v1/: the build generates nothing)
 FROM deps AS wheel
-COPY pyproject.toml setup.py README.md /src/
+COPY pyproject.toml README.md /src/
 COPY proto/ /src/proto/
 COPY modalmesh/ /src/modalmesh/
 COPY services/ /src/services/

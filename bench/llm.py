@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from modalmesh import tiny  # noqa: E402
 from modalmesh.metrics import Metrics  # noqa: E402
+from modalmesh.testing import tiny  # noqa: E402
 from services.llm.config import LLMConfig  # noqa: E402
 from services.llm.engine import LLMEngine  # noqa: E402
 from services.llm.inputs import PreparedPrompt  # noqa: E402

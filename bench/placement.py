@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from modalmesh import pb, tiny  # noqa: E402
-from modalmesh.launcher import ServiceProcess  # noqa: E402
+from modalmesh import pb  # noqa: E402
+from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
+from modalmesh.testing import tiny  # noqa: E402
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 LAYOUTS = {  # name: (GPUs of the vision replicas, GPU of the LLM)

@@ -79,7 +79,7 @@ async def run(target: str, concurrency: int, requests: int, prompt_len: int, out
 
 def start_service(max_num_seqs: int, quick: bool, tp: int = 1):
     from bench.llm import QUICK, QWEN25_7B, make_checkpoint
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
 
     ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt), "--dummy-weights",

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from modalmesh import pb  # noqa: E402
-from modalmesh.launcher import ServiceProcess  # noqa: E402
+from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.shm import ShmProbe, shm_available  # noqa: E402
 
 HIDDEN = 3584  # Qwen2-VL-7B's LLM width: the width of every image embedding row
@@ -48,7 +48,7 @@ def make_checkpoint(out: Path) -> Path:
     """Tiny towers, Qwen2-VL-7B-wide embeddings (random weights, saved as transformers does)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    from modalmesh import tiny
+    from modalmesh.testing import tiny
 
     if (out / "config.json").exists():
         return out

@@ -82,6 +82,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
                     action.default = action.type(raw) if action.type else raw
                 except (TypeError, ValueError):
                     self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}")
+                # argparse checks choices on the command line only, never on a default: check the env here.
+                if action.choices is not None and action.default not in action.choices:
+                    self.error(f"{env_name(action.dest)}={raw!r} is not a valid value for {action.option_strings[0]}"
+                               f" (choose from {', '.join(map(str, action.choices))})")
         return super().parse_known_args(args, namespace)
 
 

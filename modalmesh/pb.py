@@ -1,6 +1,6 @@
 """The generated protobuf / gRPC stubs of proto/modalmesh/v1, from one place.
 
-The stubs are built from proto/ at install time (setup.py) and git-ignored:
+The stubs are generated from proto/ by modalmesh/_protogen.py (``make protos``) and committed:
 ``from modalmesh import pb; pb.Tensor(...); pb.llm_pb2_grpc.LLMServiceStub``.
 """
 
@@ -17,8 +17,8 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
-        "modalmesh protobuf stubs are missing: they are generated from proto/ at install "
-        "time. Run `pip install -e .` in the repository (or `python modalmesh/_protogen.py`)."
+        "modalmesh protobuf stubs are missing from modalmesh/v1/: they are committed; "
+        "restore them (git checkout modalmesh/v1) or regenerate them with `make protos`."
     ) from exc
 
 _MESSAGE_MODULES = (tensor_pb2, common_pb2, encoder_pb2, llm_pb2, vae_pb2)

@@ -26,10 +26,10 @@ from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError
-from modalmesh.flags import EnvArgumentParser, add_process_arguments
-from modalmesh.launcher import die_with_parent
+from modalmesh.flags import EnvArgumentParser, add_process_arguments, env_name
+from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
-from modalmesh.rpc.server import FOREVER_MS, MiB, GrpcServer, ServerConfig, serve_until_signal
+from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
 
@@ -182,7 +182,12 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    code = asyncio.run(_until_signal(serve))
+    try:
+        code = asyncio.run(_until_signal(serve))
+    except PortInUse as exc:  # one line naming the port and its flag, not a traceback
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code
@@ -232,7 +237,10 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
     service.register(server)
     metrics_port = -1
     if args.metrics_port >= 0:
-        metrics_port = metrics.start_exporter(args.host, args.metrics_port)
+        try:
+            metrics_port = metrics.start_exporter(args.host, args.metrics_port)
+        except OSError as exc:
+            raise PortInUse("metrics", f"{args.host}:{args.metrics_port}", "--metrics-port", exc.strerror) from None
 
     def listening(port: int) -> None:
         # One machine-readable line: the stack launcher and tests read the bound ports here.
@@ -241,5 +249,16 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
     try:
         return await serve_until_signal(server, service._startup, service.close, on_listening=listening,
                                         stop_event=stop)
+    except BindError as exc:
+        raise PortInUse("gRPC", exc.address, "--port", exc.reason) from None
     finally:
         metrics.stop_exporter()
+
+
+class PortInUse(ConfigError):
+    """A port the service was told to bind cannot be bound: says which (gRPC or metrics) and its flag."""
+
+    def __init__(self, what: str, address: str, flag: str, reason: str | None):
+        super().__init__(f"cannot bind the {what} port {address} ({reason or 'in use, or not an address here'}): "
+                         f"change {flag} ({env_name(flag[2:].replace('-', '_'))}), 0 picks a free port")
+

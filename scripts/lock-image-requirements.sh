@@ -2,7 +2,7 @@
 # Regenerate deploy/docker/requirements.txt: every Python package the image installs besides
 # torch and the project, pinned. Resolves in a throwaway venv with the CPU torch (same
 # dependencies as the CUDA build but the nvidia-* wheels, which torch pins itself), the
-# project, diffusers (modalmesh.tiny's VAE) and the stub-generating build tools, constrained
+# project, diffusers (modalmesh.testing.tiny's VAE: the [demo] extra) and the build tools, constrained
 # to the versions of the current lock where they still fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ trap 'rm -rf "$VENV"' EXIT
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q "pip==26.3"
 "$VENV/bin/pip" install -q "torch==2.13.0"
-"$VENV/bin/pip" install -q -c deploy/docker/requirements.txt setuptools wheel "grpcio-tools==1.85.1" \
+"$VENV/bin/pip" install -q -c deploy/docker/requirements.txt setuptools wheel \
     "transformers==5.24.0" "tokenizers==0.23.3" "diffusers==0.42.1"
 "$VENV/bin/pip" install -q --no-build-isolation -c deploy/docker/requirements.txt .
 {

@@ -16,9 +16,10 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.rpc.codec import to_proto
+from modalmesh.testing import tiny
 from modalmesh.weights import CheckpointReader, MissingWeightsError
 from services.audio_encoder.model import build_encoder_model
 from services.audio_encoder.models.qwen2_audio import output_rows

@@ -16,12 +16,13 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
 from modalmesh.metrics import Metrics
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.rpc.server import GrpcServer, ServerConfig
 from modalmesh.service import build_parser
+from modalmesh.testing import tiny
 from services.audio_encoder.audio import downmix, resample
 from services.audio_encoder.server import AudioEncoderService
 

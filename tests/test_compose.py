@@ -211,7 +211,7 @@ def test_stack_serves_requests_from_the_host(stack):
     llm = stack.published("llm", 50051)
     vae = stack.published("vae", 50051)
     # The same probe the containers' healthcheck runs, from the host.
-    probe = subprocess.run([sys.executable, "-m", "modalmesh.cli", "health", "--target", llm],
+    probe = subprocess.run([sys.executable, "-m", "modalmesh.ops.cli", "health", "--target", llm],
                            capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0 and "SERVING" in probe.stdout, probe.stderr
     targets = {"llm": llm, "vae": vae, "vision_encoder": f"{stack.ips('vision_encoder')[0]}:50051",
@@ -308,14 +308,14 @@ def test_cli_and_gateway_from_the_host(stack, tmp_path):
     pool), `modalmesh decode` on the VAE, and an OpenAI chat completion through the gateway."""
     llm, vae = stack.published("llm", 50051), stack.published("vae", 50051)
     (tmp_path / "a.png").write_bytes(_png(7))
-    out = subprocess.run([sys.executable, "-m", "modalmesh.cli", "generate", "What is in the picture?",
+    out = subprocess.run([sys.executable, "-m", "modalmesh.ops.cli", "generate", "What is in the picture?",
                           "--image", str(tmp_path / "a.png"), "--max-tokens", "8", "--temperature", "0",
                           "--target", llm], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert re.search(r"\[(length|stop): \d+ prompt \+ \d+ completion tokens\]", out.stderr), out.stderr
 
     np.save(tmp_path / "latents.npy", np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32))
-    out = subprocess.run([sys.executable, "-m", "modalmesh.cli", "decode", str(tmp_path / "latents.npy"),
+    out = subprocess.run([sys.executable, "-m", "modalmesh.ops.cli", "decode", str(tmp_path / "latents.npy"),
                           "-o", str(tmp_path / "out.png"), "--target", vae], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     with Image.open(tmp_path / "out.png") as img:

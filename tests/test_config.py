@@ -248,7 +248,7 @@ def test_missing_core_sizes_is_a_config_error():
 
 
 def test_standalone_vision_model_is_its_own_vision_part(tmp_path):
-    from modalmesh import tiny
+    from modalmesh.testing import tiny
 
     cfg = ModelConfig.from_hf(tiny.ensure("siglip", tmp_path), part="vision")
     assert cfg.part == "vision" and cfg.hidden_size == 32 and cfg.num_layers == 2 and cfg.num_heads == 4

@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from modalmesh import tiny
+from modalmesh.testing import tiny
 from services.llm.detokenizer import IncrementalDetokenizer
 
 

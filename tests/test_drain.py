@@ -12,7 +12,8 @@ import grpc
 import pytest
 
 from modalmesh import pb
-from modalmesh.launcher import PARENT_PID_ENV, ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
+from modalmesh.process import PARENT_PID_ENV
 
 
 def test_sigterm_lets_in_flight_call_finish_then_refuses_new_calls_and_exits_0():
@@ -61,7 +62,7 @@ def test_second_sigterm_during_drain_does_not_change_exit_code():
 # ---- orphans -------------------------------------------------------------------------------------
 _LAUNCHER = """
 import os, sys
-from modalmesh.launcher import ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
 proc = ServiceProcess("echo", ["--port", "0", "--grace", "5"], module="tests.helpers.echo_service").start()
 proc.wait_listening(60)
 print(proc.proc.pid, flush=True)

@@ -20,9 +20,10 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.shm import shm_available
+from modalmesh.testing import tiny
 
 COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu", "--grace-period", "30"]
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"

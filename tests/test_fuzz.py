@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import from_proto
+from modalmesh.testing import tiny
 from services.llm.sampling import RequestLimits, SamplingParams
 from tests.test_llm_service import LLM
 
@@ -192,7 +193,7 @@ encode_requests = st.builds(pb.EncodeRequest, items=st.lists(st.one_of(encode_it
 
 
 def _grpc_service(module: str, model_dir, *flags):
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
 
     proc = ServiceProcess(module, ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--device", "cpu",
                                    "--model", str(model_dir), *flags]).start()

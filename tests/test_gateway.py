@@ -28,9 +28,10 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save as save_safetensors
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import to_proto
+from modalmesh.testing import tiny
 from services.gateway.launch import GatewayProcess
 
 COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu"]

@@ -11,8 +11,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.rpc.codec import to_proto
+from modalmesh.testing import tiny
 from tests.test_llm_service import LLM, greedy
 
 
@@ -322,7 +323,7 @@ def test_a_global_override_goes_only_where_it_fits(monkeypatch):
 # ---- the gateway -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway(ckpts, llm):
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
     from services.gateway.launch import GatewayProcess
     from tests.test_gateway import COMMON, GATEWAY
 
@@ -680,7 +681,7 @@ def test_a_shared_token_and_mutual_tls_keep_other_callers_out(tmp_path):
 
 
 def test_the_token_travels_from_the_gateway_to_the_llm_and_from_the_llm_to_its_encoder(ckpts, tmp_path):
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
     from services.gateway.launch import GatewayProcess
     from tests.test_gateway import COMMON, GATEWAY, png, post
 
@@ -712,7 +713,7 @@ def test_the_token_travels_from_the_gateway_to_the_llm_and_from_the_llm_to_its_e
         import subprocess
         import sys
 
-        cli = [sys.executable, "-m", "modalmesh.cli", "info", "--target", llm_proc.target]
+        cli = [sys.executable, "-m", "modalmesh.ops.cli", "info", "--target", llm_proc.target]
         assert subprocess.run([*cli, *auth], capture_output=True, timeout=60).returncode == 0
         refused = subprocess.run(cli, capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
@@ -793,7 +794,7 @@ def test_request_bodies_in_flight_share_one_budget(llm):
 def test_a_request_whose_images_cannot_fit_is_refused_before_any_encode(ckpts):
     # 300 images were encoded, then the request was refused for its length.
     from modalmesh.image_grid import ImageGrid
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
     from tests.test_gateway import COMMON, png
     from tests.test_hostile import _requests_total as requests_total
 

@@ -169,7 +169,7 @@ def _logits(path, device, fused, prompt, steps):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_decoder_with_fused_kernels_equals_the_unfused_decoder(device, family, tmp_path, monkeypatch):
-    from modalmesh import tiny
+    from modalmesh.testing import tiny
     from modalmesh.kernels import activation, norm, rotary
 
     calls = {}
@@ -232,7 +232,7 @@ def test_steps_through_the_graph_inputs_equal_eager_steps(family, tmp_path):
     the real graphs are compared in test_llm_cuda.py."""
     import queue
 
-    from modalmesh import tiny
+    from modalmesh.testing import tiny
     from modalmesh.metrics import Metrics
     from services.llm.config import LLMConfig
     from services.llm.engine import LLMEngine

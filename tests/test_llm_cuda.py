@@ -8,10 +8,10 @@ import queue
 import pytest
 import torch
 
-from modalmesh import tiny
 from modalmesh.attention import PagedMetadata
 from modalmesh.kv.pool import build_kv_pool
 from modalmesh.metrics import Metrics
+from modalmesh.testing import tiny
 from services.llm.config import LLMConfig
 from services.llm.engine import LLMEngine
 from services.llm.inputs import PreparedPrompt
@@ -158,7 +158,7 @@ def test_submitting_a_step_never_waits_for_the_device(root):
 
 
 def _serve(path, *flags):
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
 
     proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(path),
                                   "--max-num-seqs", "8", *flags]).start()

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from modalmesh import tiny
+from modalmesh.testing import tiny
 from modalmesh.kv.allocator import PageAllocator
 from modalmesh.metrics import Metrics
 from services.llm.engine import LLMEngine

@@ -20,11 +20,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from modalmesh import distributed, tiny
+from modalmesh import distributed
 from modalmesh.attention import AttentionSelector, PagedMetadata, Platform
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.kv.pool import build_kv_pool
+from modalmesh.testing import tiny
 from modalmesh.weights import CheckpointReader, MissingWeightsError, UnexpectedWeightsError
 from modalmesh.weights import loader as weights_loader
 from services.llm.loader import load_llm
@@ -60,9 +61,8 @@ def _tiny_text(**overrides) -> dict:
 
 # Variants made here with the reference classes: rope scaling, switches, residual styles, windows.
 VARIANTS = {
-    "qwen2_yarn": ("Qwen2", _tiny_text(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                          "original_max_position_embeddings": 32})),
-    "qwen2_linear": ("Qwen2", _tiny_text(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
+    "qwen2_yarn": ("Qwen2", _tiny_text(**tiny._rope("yarn", factor=4.0, original_max_position_embeddings=32))),
+    "qwen2_linear": ("Qwen2", _tiny_text(**tiny._rope("linear", theta=500.0, factor=2.0))),
     "qwen2_sliding": ("Qwen2", _tiny_text(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
                                           max_window_layers=1)),
     "llama_bias_tied": ("Llama", _tiny_text(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
@@ -114,8 +114,11 @@ def reference_logits(ref, name: str, ids=None, embeds=None, positions=None) -> t
         if name not in REF_CLASS:
             return ref(input_ids=ids[None]).logits[0]
         pos = positions[:, None, :] if positions.dim() == 2 else positions[None]
-        hidden = ref.model.language_model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
-        return ref.lm_head(hidden)[0]
+        if hasattr(ref, "lm_head"):
+            hidden = ref.model.language_model(inputs_embeds=embeds[None], position_ids=pos).last_hidden_state
+            return ref.lm_head(hidden)[0]
+        # transformers 4's Qwen2-Audio wraps a whole causal LM: language_model.{model, lm_head}
+        return ref.language_model(inputs_embeds=embeds[None], position_ids=pos).logits[0]
 
 
 # ---- a minimal engine: the pool, packed batches, paged metadata --------------------------------
@@ -306,6 +309,9 @@ TOWERS = ("visual.", "model.visual.", "audio_tower.", "model.audio_tower.", "mul
 def test_both_multimodal_layouts_load_the_same_language_model(root, name):
     hub, t5 = checkpoint(root, name), _t5_layout(root, name)
     t5_keys = CheckpointReader(t5).keys()
+    if name == "qwen2_audio" and not any(k.startswith("model.language_model.") for k in t5_keys):
+        # transformers 4 and early 5 (5.0, the floor job's) keep Qwen2-Audio's hub layout in memory.
+        pytest.skip(f"transformers {transformers.__version__} makes no second Qwen2-Audio layout to load")
     assert any(k.startswith("model.language_model.") for k in t5_keys) and "lm_head.weight" in t5_keys
     assert any(k.startswith(TOWERS) for k in t5_keys)
     (a, cfg), (b, _) = ours(hub), ours(t5)

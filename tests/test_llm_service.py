@@ -11,9 +11,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import to_proto
+from modalmesh.testing import tiny
 
 COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu", "--grace-period", "10",
           "--kv-cache-tokens", "2048"]

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from modalmesh import distributed, pb, tiny
+from modalmesh import distributed, pb
 from modalmesh.errors import ConfigError
+from modalmesh.testing import tiny
 from services.llm.config import LLMConfig
 from services.llm.step_inputs import StepChannel, StepInputs
 from tests.test_llm_service import LLM, PROMPTS, greedy
@@ -251,7 +252,7 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
 
 
 def test_a_bad_tensor_parallel_size_fails_start_up(ckpts):
-    from modalmesh.launcher import ServiceProcess
+    from modalmesh.ops.launcher import ServiceProcess
 
     model_dir = tiny.ensure("qwen2", ckpts)
     proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--device", "cpu",

@@ -9,9 +9,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
 from modalmesh.metrics import SCHEMA
+from modalmesh.ops.launcher import ServiceProcess
+from modalmesh.testing import tiny
 
 SERVICES = {
     "llm": (pb.llm_pb2_grpc.LLMServiceStub, pb.LLM_SERVICE),
@@ -193,13 +194,13 @@ def test_env_flag_starts_a_service_and_cli_probe_reports_serving():
     proc = ServiceProcess("vae", ["--host", "127.0.0.1", "--metrics-port", "-1"], env={"MODALMESH_PORT": "0"})
     with proc:
         proc.wait_serving(timeout=120)
-        probe = _run_main(["modalmesh.cli", "health", "--target", proc.target])
+        probe = _run_main(["modalmesh.ops.cli", "health", "--target", proc.target])
         assert probe.returncode == 0, probe.stderr
         assert "SERVING" in probe.stdout
-        info = _run_main(["modalmesh.cli", "info", "--kind", "vae", "--target", proc.target])
+        info = _run_main(["modalmesh.ops.cli", "info", "--kind", "vae", "--target", proc.target])
         assert json.loads(info.stdout)["service"] == "vae"
         assert proc.terminate(timeout=30) == 0
-    probe = _run_main(["modalmesh.cli", "health", "--target", proc.target, "--timeout", "2"])
+    probe = _run_main(["modalmesh.ops.cli", "health", "--target", proc.target, "--timeout", "2"])
     assert probe.returncode == 1
 
 

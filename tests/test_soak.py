@@ -24,8 +24,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from modalmesh import distributed, pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import distributed, pb
+from modalmesh.ops.launcher import ServiceProcess
+from modalmesh.testing import tiny
 from services.gateway.launch import GatewayProcess
 from tests.test_gateway import COMMON, GATEWAY, png, post
 

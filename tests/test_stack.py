@@ -15,7 +15,7 @@ from modalmesh import pb
 
 def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "modalmesh.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
+        [sys.executable, "-m", "modalmesh.ops.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
          "--device", "cpu", "--models-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -43,7 +43,7 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, rest
-        assert "stopped: audio_encoder=0, vision_encoder=0, llm=0, vae=0" in rest
+        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in rest
         for target in endpoints.values():  # nothing left listening
             with grpc.insecure_channel(target) as channel:
                 try:
@@ -60,7 +60,7 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
 
 def test_demo_runs_three_requests_and_stops(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "modalmesh.cli", "demo", "--base-port", "0", "--metrics-base-port", "0",
+        [sys.executable, "-m", "modalmesh.ops.cli", "demo", "--base-port", "0", "--metrics-base-port", "0",
          "--device", "cpu", "--models-dir", str(tmp_path / "models"), "--out-dir", str(tmp_path / "out")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -68,7 +68,7 @@ def test_demo_runs_three_requests_and_stops(tmp_path):
     assert "1. image + text" in out and "2. audio + text" in out and "16 completion tokens" in out
     assert (tmp_path / "out" / "demo.png").read_bytes().startswith(b"\x89PNG")
     assert "1 images encoded" in out
-    assert "stopped: audio_encoder=0, vision_encoder=0, llm=0, vae=0" in out
+    assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in out
 
 
 def test_cli_generate_and_decode_against_a_running_stack(tmp_path):
@@ -76,7 +76,7 @@ def test_cli_generate_and_decode_against_a_running_stack(tmp_path):
     from safetensors.torch import save_file
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "modalmesh.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
+        [sys.executable, "-m", "modalmesh.ops.stack", "up", "--base-port", "0", "--metrics-base-port", "0",
          "--device", "cpu", "--models-dir", str(tmp_path / "models"), "--services", "vision_encoder,llm,vae"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     timer = threading.Timer(240, proc.kill)
@@ -91,13 +91,13 @@ def test_cli_generate_and_decode_against_a_running_stack(tmp_path):
         from PIL import Image
 
         Image.new("RGB", (64, 48), (200, 30, 90)).save(tmp_path / "a.png")
-        gen = subprocess.run([sys.executable, "-m", "modalmesh.cli", "generate", "What colour?", "--image",
+        gen = subprocess.run([sys.executable, "-m", "modalmesh.ops.cli", "generate", "What colour?", "--image",
                               str(tmp_path / "a.png"), "--max-tokens", "5", "--target", endpoints["llm"]],
                              capture_output=True, text=True, timeout=120)
         assert gen.returncode == 0, gen.stderr
         assert "[length:" in gen.stderr and "5 completion tokens" in gen.stderr
         save_file({"latents": torch.zeros(1, 4, 8, 8)}, str(tmp_path / "z.safetensors"))
-        dec = subprocess.run([sys.executable, "-m", "modalmesh.cli", "decode", str(tmp_path / "z.safetensors"),
+        dec = subprocess.run([sys.executable, "-m", "modalmesh.ops.cli", "decode", str(tmp_path / "z.safetensors"),
                               "-o", str(tmp_path / "z.png"), "--target", endpoints["vae"]],
                              capture_output=True, text=True, timeout=120)
         assert dec.returncode == 0, dec.stderr

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 import torch
 
-from modalmesh import tiny
+from modalmesh.testing import tiny
 
 
 def _digest(path):

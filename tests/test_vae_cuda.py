@@ -10,11 +10,12 @@ import grpc
 import pytest
 import torch
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.attention import configure
 from modalmesh.attention import selector as selector_mod
-from modalmesh.launcher import ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import from_proto, to_proto
+from modalmesh.testing import tiny
 from services.vae.config import VAEConfig
 from services.vae.engine import OFF, ON, TilingRequest, VAEEngine, to_unit
 from services.vae.weights import build_decoder, load_decoder_state

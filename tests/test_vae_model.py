@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modalmesh import tiny
 from modalmesh.attention import Platform, configure, registry
 from modalmesh.attention import selector as selector_mod
 from modalmesh.attention.backends.naive import NaiveBackend
 from modalmesh.attention.capability import ALL_FEATURES, BackendSpec, Target
 from modalmesh.errors import ConfigError
+from modalmesh.testing import tiny
 from modalmesh.weights import MissingWeightsError, UnexpectedWeightsError, WeightMismatchError
 from services.vae.config import VAEConfig, find_vae_dir
 from services.vae.engine import OFF, TilingRequest, VAEEngine, to_uint8, to_unit

@@ -19,12 +19,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.errors import FailedPrecondition, ResourceExhausted
-from modalmesh.launcher import ServiceProcess
 from modalmesh.metrics import Metrics
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.service import build_parser
+from modalmesh.testing import tiny
 from services.vae.config import VAEConfig
 from services.vae.engine import TilingRequest, to_uint8, to_unit
 from services.vae.batcher import DecodeBatcher, JobResult

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modalmesh import tiny
+from modalmesh.testing import tiny
 from services.vae.config import VAEConfig
 from services.vae.engine import AUTO, OFF, ON, TilingDefaults, TilingRequest, VAEEngine
 from services.vae.tiling import TileGrid, ramp_weights, tile_starts, tiled_decode

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from modalmesh import pb, tiny
+from modalmesh import pb
+from modalmesh.testing import tiny
 from modalmesh.weights import CheckpointReader, MissingWeightsError
 from services.vision_encoder.model import build_encoder_model
 from services.vision_encoder.models import Qwen2VisionTransformer

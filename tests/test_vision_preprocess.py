@@ -16,9 +16,10 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from modalmesh import pb, tiny
+from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import to_proto
+from modalmesh.testing import tiny
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.model import build_encoder_model
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 from PIL import Image
 
-from modalmesh import pb, tiny
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
 from modalmesh.metrics import Metrics
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.rpc.server import GrpcServer, ServerConfig
 from modalmesh.service import build_parser
+from modalmesh.testing import tiny
 from modalmesh.weights.fingerprint import checkpoint_fingerprint
 from services.vision_encoder.server import VisionEncoderService
 

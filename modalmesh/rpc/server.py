@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,25 @@ class ServerConfig:
         ]
 
 
+class BindError(OSError):
+    """The gRPC server could not bind its address; `reason` is the operating system's word for why."""
+
+    def __init__(self, address: str, reason: str | None):
+        super().__init__(f"cannot bind gRPC server to {address}: {reason or 'unknown reason'}")
+        self.address, self.reason = address, reason
+
+
+def _bind_reason(host: str, port: int) -> str | None:
+    """Why binding failed, asked of the OS by binding once more (gRPC's own error names no errno)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return exc.strerror
+    return None
+
+
 class GrpcServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
         self.config = config
@@ -91,10 +111,13 @@ class GrpcServer:
             )
         address = f"{self.config.host}:{self.config.port}"
         credentials = self.config.security.server_credentials()
-        self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
-                     else self._server.add_insecure_port(address))
+        try:
+            self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
+                         else self._server.add_insecure_port(address))
+        except RuntimeError:  # grpcio raises "Failed to bind" where older releases returned 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot bind gRPC server to {address}")
+            raise BindError(address, _bind_reason(self.config.host, self.config.port))
         await self.set_serving(False)
         await self._server.start()
         return self.port

@@ -1,4 +1,4 @@
-"""Start the gateway as a child process (tests, local stacks), as `modalmesh.launcher` does for services.
+"""Start the gateway as a child process (tests, local stacks), as `modalmesh.ops.launcher` does for services.
 
 The gateway logs ``listening http=HOST:PORT metrics=HOST:PORT`` once bound; its
 readiness is ``GET /health`` == 200 (every backend SERVING), not gRPC health.
@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
-from modalmesh.launcher import ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
 
 class GatewayProcess(ServiceProcess):
     def __init__(self, args=(), **kwargs):

@@ -23,7 +23,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from modalmesh import distributed
-from modalmesh.launcher import set_parent_death_signal
+from modalmesh.process import set_parent_death_signal
 from services.llm.config import LLMConfig
 
 log = logging.getLogger(__name__)

@@ -89,7 +89,7 @@ async def _main(port: int, grace: float) -> int:
 
 
 if __name__ == "__main__":
-    from modalmesh.launcher import die_with_parent
+    from modalmesh.process import die_with_parent
 
     die_with_parent()
     parser = argparse.ArgumentParser()

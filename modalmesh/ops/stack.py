@@ -1,21 +1,30 @@
 """The stack on local processes: start the four services, wait for health, drain on Ctrl-C.
 
 Each service gets the same flags the compose file gives its container; only the
-ports differ (one machine). ``python -m modalmesh.stack up`` == ``modalmesh up``.
+ports differ (one machine). ``python -m modalmesh.ops.stack up`` == ``modalmesh up``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from modalmesh.launcher import ServiceProcess
+from modalmesh.ops.launcher import ServiceProcess
 
-SERVICES = ("audio_encoder", "vision_encoder", "llm", "vae")
+# Port order: base (50051) is the LLM, as the compose stack publishes it, and base+3 (50054) the
+# VAE, as compose does too; so `modalmesh info|health|generate` (50051) and `decode` (50054) find
+# the same service under both layouts with no --target.
+SERVICES = ("llm", "vision_encoder", "audio_encoder", "vae")
+
+
+class StackError(Exception):
+    """The stack cannot start; the message is one line for the operator (the CLI prints it)."""
 
 
 @dataclass
@@ -26,9 +35,11 @@ class StackMember:
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    parser.add_argument("--base-port", type=int, default=50051, help="gRPC ports base, base+1, ... (0: any free port)")
-    parser.add_argument("--metrics-base-port", type=int, default=9401, help="metrics ports base, ... (0: any)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--base-port", type=int, default=50051,
+                        help=f"gRPC ports: base, base+1, ... in the order {', '.join(SERVICES)} (0: any free port)")
+    parser.add_argument("--metrics-base-port", type=int, default=9401,
+                        help="metrics ports: base, base+1, ... in the same order (0: any free port)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the models run")
     parser.add_argument("--services", default=",".join(SERVICES), help="comma-separated subset to start")
     for service in SERVICES:
         parser.add_argument(f"--{service.replace('_', '-')}-model", default=None, metavar="DIR",
@@ -37,31 +48,84 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where default tiny checkpoints are made (once) for services given no model")
     parser.add_argument("--no-default-models", action="store_true",
                         help="start services given no model without one (health and Info only)")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds each service gets to be SERVING")
     parser.add_argument("--verbose", action="store_true", help="echo the services' logs")
 
 
 DEFAULT_MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
 
 
+# Modules the tiny checkpoint makers need beyond the install requirements: the [demo] extra.
+DEMO_EXTRA_MODULES = {"vae": "diffusers"}
+
+
 def default_checkpoints(root: Path, services: list[str]) -> dict[str, Path]:
     """Tiny random checkpoints (made once, then reused from `root`) for services given no --*-model."""
-    from modalmesh import tiny
+    missing = sorted({DEMO_EXTRA_MODULES[s] for s in services if s in DEMO_EXTRA_MODULES
+                      and not (root / DEFAULT_MODELS[s] / ".modalmesh-tiny").exists()
+                      and importlib.util.find_spec(DEMO_EXTRA_MODULES[s]) is None})
+    if missing:
+        flags = " ".join(f"--{s.replace('_', '-')}-model DIR" for s in services if s in DEMO_EXTRA_MODULES)
+        raise StackError(f"the default tiny checkpoints need {', '.join(missing)}, which is not installed: "
+                         f"pip install 'modalmesh[demo]' (or pass {flags}, or --no-default-models)")
+    from modalmesh.testing import tiny
 
     print(f"creating / reusing tiny random default checkpoints under {root}\n"
           "  (their outputs are meaningless: pass --llm-model DIR etc. to serve real checkpoints)", flush=True)
     return {s: tiny.ensure(DEFAULT_MODELS[s], root) for s in services}
 
 
+def check_ports_free(host: str, ports: dict[int, tuple[str, str]]) -> None:
+    """A StackError naming the first port already taken (another `modalmesh up`, say), before anything starts."""
+    for port, (what, flag) in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # As the services bind: SO_REUSEADDR, so a closed socket in TIME_WAIT does not count as taken.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise StackError(f"port {port} ({what}) on {host} is not free ({exc.strerror}), e.g. another "
+                                 f"`modalmesh up` runs: stop it, or choose other ports with {flag} "
+                                 f"(0: any free port)") from None
+
+
+def _planned_ports(args: argparse.Namespace, order: list[str]) -> dict[int, tuple[str, str]]:
+    """{port: (what, flag)} for every fixed port the stack will bind."""
+    ports = {}
+    for service in order:
+        i = SERVICES.index(service)
+        if args.base_port:
+            ports[args.base_port + i] = (f"gRPC of {service}", "--base-port")
+        if args.metrics_base_port:
+            ports[args.metrics_base_port + i] = (f"metrics of {service}", "--metrics-base-port")
+    return ports
+
+
 def start_stack(args: argparse.Namespace) -> list[StackMember]:
     wanted = [s.strip() for s in args.services.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SERVICES))
     if unknown:
-        raise SystemExit(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
+        raise StackError(f"unknown service(s) {unknown}; choose from {list(SERVICES)}")
+    order = [s for s in SERVICES if s in wanted]
+    check_ports_free(args.host, _planned_ports(args, order))
     missing = [s for s in SERVICES if s in wanted and not getattr(args, f"{s}_model")]
     defaults = default_checkpoints(Path(args.models_dir), missing) if missing and not args.no_default_models else {}
     members: list[StackMember] = []
-    order = [s for s in SERVICES if s in wanted]
+    try:
+        _start_members(args, order, defaults, members)
+        for member in members:
+            member.process.wait_serving(timeout=args.startup_timeout, host=args.host if args.host != "0.0.0.0" else "127.0.0.1")
+    except BaseException as exc:  # Ctrl-C included: nothing started is left running
+        stop_stack(members)
+        failed = next((m for m in members if m.process.error_line()), None)
+        if failed is not None and isinstance(exc, (RuntimeError, TimeoutError)):
+            raise StackError(f"{failed.service}: {failed.process.error_line()}") from None
+        raise
+    return members
+
+
+def _start_members(args: argparse.Namespace, order: list[str], defaults: dict[str, Path],
+                   members: list[StackMember]) -> None:
     host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
     # Encoders and the VAE first: the LLM is started pointing at the encoders' bound ports.
     for service in sorted(order, key=lambda s: s == "llm"):
@@ -79,13 +143,6 @@ def start_stack(args: argparse.Namespace) -> list[StackMember]:
                     flags += [f"--{member.service.replace('_', '-')}", f"ipv4:{host}:{grpc_port}"]
         members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose).start()))
     members.sort(key=lambda m: SERVICES.index(m.service))
-    try:
-        for member in members:
-            member.process.wait_serving(timeout=args.startup_timeout, host=args.host if args.host != "0.0.0.0" else "127.0.0.1")
-    except BaseException:
-        stop_stack(members)
-        raise
-    return members
 
 
 def stop_stack(members: list[StackMember], timeout: float = 60.0) -> dict[str, int]:
@@ -127,11 +184,9 @@ def up(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m modalmesh.stack")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
-    args = parser.parse_args(argv)
-    return up(args)
+    from modalmesh.ops.cli import main as cli_main
+
+    return cli_main(argv)  # `python -m modalmesh.ops.stack up ...` == `modalmesh up ...`
 
 
 if __name__ == "__main__":

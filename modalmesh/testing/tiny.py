@@ -7,7 +7,7 @@ extractor configs. Tests, the demo's default models and benchmarks use them.
 Their outputs are meaningless: they exist to exercise real loading and to
 compare against the references.
 
-    python -m modalmesh.tiny OUT_DIR [--only qwen2_vl,vae]
+    python -m modalmesh.testing.tiny OUT_DIR [--only qwen2_vl,vae]
 """
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
+
+# transformers 4 and 5 spell RoPE settings and the PIL image processors differently; the makers
+# write the installed major's own layout (the layout its hub checkpoints have), which the
+# runtime's config reader reads in both spellings.
+TRANSFORMERS_4 = int(version("transformers").split(".")[0]) < 5
 
 VOCAB_SIZE = 512  # model vocab; the tokenizer uses fewer ids, the rest are padding rows
 INIT_RANGE = 0.2  # large enough that greedy decoding of a random model does not collapse to one token
@@ -93,6 +99,22 @@ def _save(model, tokenizer, out: Path, *extra) -> Path:
     return out
 
 
+def _rope(rope_type: str = "default", theta: float = 10000.0, **params) -> dict:
+    """Config kwargs for RoPE: transformers 5 `rope_parameters`; 4 `rope_theta` + `rope_scaling`."""
+    if not TRANSFORMERS_4:
+        return {"rope_parameters": {"rope_type": rope_type, "rope_theta": theta, **params}}
+    if "mrope_section" in params:  # Qwen2-VL's transformers-4 spelling
+        return {"rope_theta": theta, "rope_scaling": {"type": "mrope", **params}}
+    return {"rope_theta": theta, "rope_scaling": {"rope_type": rope_type, **params} if params else None}
+
+
+def _image_processor(name: str, **kwargs):
+    """The PIL (slow) image processor: `XImageProcessorPil` in later transformers 5, `XImageProcessor` before."""
+    import transformers
+
+    return (getattr(transformers, f"{name}ImageProcessorPil", None) or getattr(transformers, f"{name}ImageProcessor"))(**kwargs)
+
+
 def _text_dims(**overrides) -> dict:
     dims = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -108,9 +130,8 @@ def make_llama(out: Path) -> Path:
     tok = build_tokenizer(LLAMA_SPECIALS, chat_template=LLAMA_CHAT_TEMPLATE, bos="<s>", eos="</s>", unk="<unk>")
     bos, eos = _ids(tok, "<s>", "</s>")
     config = LlamaConfig(**_text_dims(), bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 64})
+                         **_rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=64))
     return _save(LlamaForCausalLM(config), tok, out)
 
 
@@ -148,10 +169,8 @@ def make_gpt_neox(out: Path) -> Path:
 
 
 def _qwen2_vl_image_processor():
-    from transformers import Qwen2VLImageProcessorPil
-
     # Small pixel budget: tiny test images give a handful of patches.
-    return Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    return _image_processor("Qwen2VL", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
 
 
 def make_qwen2_vl(out: Path) -> Path:
@@ -161,8 +180,7 @@ def make_qwen2_vl(out: Path) -> Path:
     tok = _qwen_tokenizer()
     eot, im_end, vs, ve, img, vid = _ids(tok, "<|endoftext|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                                         "<|image_pad|>", "<|video_pad|>")
-    text = _text_dims(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                      bos_token_id=eot, eos_token_id=im_end)
+    text = _text_dims(**_rope(mrope_section=[2, 3, 3]), bos_token_id=eot, eos_token_id=im_end)
     vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=INIT_RANGE)
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=img, video_token_id=vid,
@@ -177,8 +195,7 @@ def make_qwen2_5_vl(out: Path) -> Path:
     tok = _qwen_tokenizer()
     eot, im_end, vs, ve, img, vid = _ids(tok, "<|endoftext|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                                         "<|image_pad|>", "<|video_pad|>")
-    text = _text_dims(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                      bos_token_id=eot, eos_token_id=im_end)
+    text = _text_dims(**_rope(mrope_section=[2, 3, 3]), bos_token_id=eot, eos_token_id=im_end)
     vision = dict(depth=4, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=56,
                   fullatt_block_indexes=[1, 3], initializer_range=INIT_RANGE)
@@ -214,12 +231,12 @@ def make_whisper(out: Path) -> Path:
 
 
 def make_siglip(out: Path) -> Path:
-    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+    from transformers import SiglipVisionConfig, SiglipVisionModel
 
     torch.manual_seed(8)
     config = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=32, patch_size=8, initializer_range=INIT_RANGE)
-    processor = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    processor = _image_processor("Siglip", size={"height": 32, "width": 32})
     return _save(SiglipVisionModel(config), None, out, processor)
 
 
@@ -267,7 +284,7 @@ def ensure(name: str, root: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m modalmesh.tiny", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m modalmesh.testing.tiny", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", default=",".join(MAKERS), help="comma-separated names")
     args = parser.parse_args(argv)

@@ -1,16 +1,23 @@
-"""`modalmesh` command line: run the stack, probe health, query Info."""
+"""`modalmesh` command line: run the stack, probe health, query Info.
+
+Every client command defaults to the same service in both layouts: 127.0.0.1:50051 is the LLM in
+`modalmesh up` and in the compose stack (docker-compose.publish.yml), 127.0.0.1:50054 the VAE.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modalmesh import pb, stack
+from modalmesh import pb
 from modalmesh.errors import ConfigError
+from modalmesh.ops import stack
+from modalmesh.ops.stack import StackError
 from modalmesh.rpc.channel import sync_channel
 from modalmesh.rpc.security import Security, add_security_arguments
 
@@ -135,50 +142,78 @@ def decode(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="modalmesh", description=__doc__)
+LLM_TARGET = "127.0.0.1:50051"  # the LLM under `modalmesh up` and as compose publishes it
+VAE_TARGET = "127.0.0.1:50054"  # the VAE, likewise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="modalmesh", description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    stack.add_up_arguments(sub.add_parser("up", help="start the four services as local processes"))
-    p = sub.add_parser("demo", help="start the stack, send an image, an audio and a latents request, stop")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=formatter)
+
+    stack.add_up_arguments(command("up", "start the four services as local processes"))
+    p = command("demo", "start the stack, send an image, an audio and a latents request, stop")
     stack.add_up_arguments(p)
-    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
-    p = sub.add_parser("health", help="exit 0 if a service is SERVING (gRPC health)")
+    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (None: a temporary folder)")
+    p = command("health", "exit 0 if a service is SERVING (gRPC health)")
     add_security_arguments(p, server=False)
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=LLM_TARGET, help="host:port of the service (the default is the LLM)")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
-    p.add_argument("--timeout", type=float, default=5.0)
-    p = sub.add_parser("info", help="print a service's Info as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p = command("info", "print a service's Info as JSON")
     add_security_arguments(p, server=False)
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=LLM_TARGET, help="host:port of the service (the default is the LLM)")
     p.add_argument("--kind", choices=sorted(_INFO_STUBS), default="llm", help="which service API the target speaks")
-    p.add_argument("--timeout", type=float, default=10.0)
-    p = sub.add_parser("generate", help="stream a completion from the LLM service")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p = command("generate", "stream a completion from the LLM service")
     add_security_arguments(p, server=False)
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the user message (or, with --raw, the whole prompt)")
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--audio", action="append", default=[], help="audio file: WAV, FLAC, OGG (repeatable)")
-    p.add_argument("--target", default="127.0.0.1:50053")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--target", default=LLM_TARGET, help="host:port of the LLM")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--raw", action="store_true", help="send the prompt as is (with placeholders), not as a chat")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p = sub.add_parser("decode", help="decode latents to PNG through the VAE service")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    p = command("decode", "decode latents to PNG through the VAE service")
     add_security_arguments(p, server=False)
     p.add_argument("latents", help=".safetensors or .npy file with (B, C, h, w) or (C, h, w) latents")
-    p.add_argument("-o", "--output", default="out.png")
-    p.add_argument("--target", default="127.0.0.1:50054")
+    p.add_argument("-o", "--output", default="out.png", help="PNG path (-0, -1, ... added for a batch)")
+    p.add_argument("--target", default=VAE_TARGET, help="host:port of the VAE")
     p.add_argument("--skip-scaling", action="store_true", help="latents are already unscaled")
-    p.add_argument("--timeout", type=float, default=300.0)
-    args = parser.parse_args(argv)
-    def demo(args):
-        from modalmesh.demo import demo as run_demo  # torch, PIL: only when asked for
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    return parser
 
-        return run_demo(args)
 
-    commands = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
-    return commands[args.command](args)
+def demo(args: argparse.Namespace) -> int:
+    from modalmesh.ops.demo import demo as run_demo  # torch, PIL: only when asked for
+
+    return run_demo(args)
+
+
+COMMANDS = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
+
+
+def main(argv=None) -> int:
+    """Run one command; operator errors are one line on stderr, never a traceback."""
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except StackError as exc:
+        print(f"modalmesh: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the stack is up (once up, `up` drains on it itself)
+        print("modalmesh: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `modalmesh info | head`: the reader left; say nothing
+        # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process killed by SIGPIPE, which is what a shell pipeline expects
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh import pb, stack
-from modalmesh.launcher import ServiceProcess
+from modalmesh import pb
+from modalmesh.ops import stack
+from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import to_proto
 
 

@@ -1,6 +1,7 @@
 """Start a service as a child process and follow it to SERVING and back.
 
-Used by `modalmesh up` (the stack on local processes) and by the tests. A child
+Used by `modalmesh up` (the stack on local processes) and by the tests. The child's half
+(die with the launcher) is `modalmesh.process`, which the runtime uses. A child
 logs one line ``listening grpc=HOST:PORT metrics=HOST:PORT`` once bound; the
 launcher reads the ports from it, so ``--port 0`` works.
 """
@@ -21,42 +22,11 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from modalmesh.process import PARENT_PID_ENV
+
 # grpc= for the gRPC services, http= for the gateway.
 _LISTENING = re.compile(
     r"listening (?:grpc|http)=(?P<ghost>[^\s:]+|\[[^\]]+\]):(?P<gport>\d+) metrics=\S+:(?P<mport>-?\d+)")
-
-
-PARENT_PID_ENV = "MODALMESH_PARENT_PID"
-
-
-def set_parent_death_signal(sig: int) -> bool:
-    """Ask the kernel for `sig` when this process's parent dies (Linux PR_SET_PDEATHSIG); False if not set."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig) == 0
-    except Exception:  # noqa: BLE001 - best effort: a missing libc only loses orphan cleanup
-        return False
-
-
-def die_with_parent() -> None:
-    """Called first thing in a launched child: SIGTERM it when the launcher dies (Linux), so nothing is orphaned.
-
-    Done in the child after exec, not as a ``preexec_fn``: Python code between fork and exec in a
-    process with threads (gRPC's, the log pumps) can deadlock or crash the child (CI saw SIGSEGV).
-    If the launcher died before this ran, the child is already orphaned: it exits at once.
-    """
-    expected = os.environ.pop(PARENT_PID_ENV, None)
-    if expected is None or not set_parent_death_signal(signal.SIGTERM):
-        return
-    try:
-        os.kill(int(expected), 0)  # the launcher (not necessarily our parent: a wrapper may sit between)
-    except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGTERM)
-    except (PermissionError, ValueError):
-        pass
 
 
 class ServiceProcess:
@@ -149,6 +119,10 @@ class ServiceProcess:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    def error_line(self) -> str | None:
+        """The one-line reason a service printed before exiting at start-up (``error: ...``), if any."""
+        return next((line for line in reversed(self.lines) if line.startswith("error: ")), None)
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(list(self.lines)[-n:])
