@@ -25,7 +25,7 @@ import modalmesh
 from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
-from modalmesh.errors import ConfigError
+from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError, Unavailable
 from modalmesh.flags import EnvArgumentParser, add_process_arguments, env_name
 from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
@@ -132,6 +132,14 @@ class Service:
 
     async def close(self) -> None:
         """Release resources after the drain."""
+
+    def not_ready(self, what: str) -> ModalmeshError:
+        """The error for a call that finds no model loaded: UNAVAILABLE while the configured model is still
+        loading (the server listens before it is SERVING, and a client or load balancer may try another
+        replica or retry), FAILED_PRECONDITION when no model was configured at all."""
+        if self.model_dir is not None:
+            return Unavailable(f"{self.name} is still loading its model; retry, or wait for SERVING")
+        return FailedPrecondition(f"{what} serves no model: start it with --model DIR")
 
     def info(self) -> pb.ServiceInfo:
         return pb.ServiceInfo(

@@ -5,6 +5,8 @@
 #   carry: .whl                     kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
 #   bash scripts/device.sh cuda-tests llm-tp2 serve-tp2 tp1-pair
 #   bash scripts/device.sh tests-pair fused-ab llm-tp2      # issue 17's first check of the fused kernels
+#   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
+#   bash scripts/device.sh llm-tp2 serve-tp1 serve-tp2 placement                     # issue 17, call 2 of 2
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -41,8 +43,10 @@ for name in "$@"; do
             step cuda-tests 300 env CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -p no:cacheprovider \
                 tests/test_llm_cuda.py -k "not tensor_parallel" &
             wait ;;
-        fused-ab)  # the same decode bench with and without the fused kernels, one per GPU, no HF column
-            step llm-fused 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 --no-hf &
+        attention-tests) step attention-tests 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_attention_backends.py -k cuda ;;
+        fused-ab)  # the decode bench with (and the HF column) and without the fused kernels, one per GPU
+            step llm-fused 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 &
             step llm-unfused 240 env CUDA_VISIBLE_DEVICES=1 python3 bench/llm.py --batches 1,32,256 --no-hf \
                 --no-fused-kernels &
             wait ;;
@@ -60,6 +64,7 @@ for name in "$@"; do
                          --profile --no-hf ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
+        placement) step placement 420 python3 bench/placement.py --layouts split,two-replicas ;;
         tp1-pair)  # the two TP=1 benches at once, one per GPU
             step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 &
             step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 &

@@ -17,7 +17,7 @@ import grpc
 import torch
 
 from modalmesh import pb
-from modalmesh.errors import FailedPrecondition, InvalidArgument
+from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import payload_nbytes, to_payload
 from modalmesh.rpc import wire
 from modalmesh.rpc.servicer import ForwardingServicer
@@ -148,7 +148,7 @@ class EncoderService(Service):
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
         """The answer, or its wire bytes when embeddings travel in it (see `add_encoder_service`)."""
         if self.model is None:
-            raise FailedPrecondition(f"{self.name} serves no model: start it with --model DIR")
+            raise self.not_ready(self.name)
         n = len(request.items)
         if n == 0:
             raise InvalidArgument("items: the request has no items")

@@ -14,7 +14,7 @@ import uuid
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError, FailedPrecondition, InvalidArgument, ModalmeshError
+from modalmesh.errors import ConfigError, InvalidArgument, ModalmeshError
 from modalmesh.image_grid import ImageGrid
 from modalmesh.service import Service
 from modalmesh.rpc.servicer import ForwardingServicer
@@ -159,7 +159,7 @@ class LLMService(Service):
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None):
         """Generate: the request's deltas as they come; `timeout` is what the caller's deadline leaves."""
         if self.engine is None:
-            raise FailedPrecondition("this LLM service serves no model: start it with --model DIR")
+            raise self.not_ready("this LLM service")
         cfg = self.model_config
         limits = self.config.limits
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size,

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from modalmesh import pb
-from modalmesh.errors import ConfigError, FailedPrecondition
+from modalmesh.errors import ConfigError
 from modalmesh.rpc.codec import to_proto
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.service import Service
@@ -141,7 +141,7 @@ class VAEDecoderService(Service):
     # ---- Decode -----------------------------------------------------------------------------
     async def decode(self, request: pb.DecodeRequest) -> pb.DecodeResponse:
         if self.batcher is None:
-            raise FailedPrecondition("no VAE is loaded: start the service with --model DIR")
+            raise self.not_ready("this VAE service")
         job = await asyncio.to_thread(self.validate, request)
         result = await self.batcher.submit(job)
         return await asyncio.to_thread(self._respond, result, job.output)
