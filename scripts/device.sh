@@ -64,6 +64,14 @@ for name in "$@"; do
                          --profile --no-hf ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
+        cold-prefill)  # the first eager prefill after start-up, profiled, then the same batch warm
+            step cold-prefill 240 /tmp/site/bin/py-spy record --rate 100 --format raw -o "$OUT/cold-prefill.txt" -- \
+                env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 32,32,1 --no-hf --new-tokens 32 ;;
+        cold-serve-pair)  # the cold-prefill profile on GPU 0 beside the TP=1 serving bench on GPU 1
+            step cold-prefill 240 /tmp/site/bin/py-spy record --rate 100 --format raw -o "$OUT/cold-prefill.txt" -- \
+                env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 32,32,1 --no-hf --new-tokens 32 &
+            step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 &
+            wait ;;
         placement) step placement 420 python3 bench/placement.py --layouts split,two-replicas ;;
         tp1-pair)  # the two TP=1 benches at once, one per GPU
             step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 &
