@@ -292,6 +292,6 @@ def test_without_a_model_decode_is_a_failed_precondition():
         await service.load()
         return await service.decode(request(latents(1, 4, 4, 4)))
 
-    with pytest.raises(FailedPrecondition, match="start the service with --model"):
+    with pytest.raises(FailedPrecondition, match="start it with --model DIR"):
         asyncio.run(call())
     assert service.info().extra["model"] == "none"

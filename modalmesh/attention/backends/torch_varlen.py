@@ -28,6 +28,11 @@ class TorchVarlen(AttentionBackend):
     def probe(self) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
+        if torch.cuda.is_available():  # the kernel's only target; a CPU process never calls it
+            # varlen_attn is a custom op whose first call imports torch._dynamo (~6 s on the H200 host): the
+            # first prompt a server took waited for it. Importing it here moves that into start-up.
+            import torch._dynamo  # noqa: F401
+
         params = inspect.signature(varlen_attn).parameters
         self._fn = varlen_attn
         self._window_kw = "window_size" in params

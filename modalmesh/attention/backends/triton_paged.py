@@ -35,7 +35,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Triton specialises integer arguments on divisibility by 16; the block table's row stride varies with
+    # the longest sequence of a step, so each new width would compile the kernel again mid-serving.
+    @triton.jit(do_not_specialize=["stride_bt"])
     def paged_decode(
         Q, K, V, Out, BlockTable, ContextLens, TokenSeq, scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
