@@ -7,6 +7,7 @@
 #   bash scripts/device.sh tests-pair fused-ab llm-tp2      # issue 17's first check of the fused kernels
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
 #   bash scripts/device.sh llm-tp2 serve-tp1 serve-tp2 placement                     # issue 17, call 2 of 2
+#   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -71,6 +72,11 @@ for name in "$@"; do
             step cold-prefill 240 /tmp/site/bin/py-spy record --rate 100 --format raw -o "$OUT/cold-prefill.txt" -- \
                 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 32,32,1 --no-hf --new-tokens 32 &
             step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 &
+            wait ;;
+        serve-pair-tp1)  # the TP=1 serving bench on GPU 1 beside the LLM CUDA tests on GPU 0
+            step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 &
+            step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_llm_cuda.py -k "not tensor_parallel" &
             wait ;;
         placement) step placement 420 python3 bench/placement.py --layouts split,two-replicas ;;
         tp1-pair)  # the two TP=1 benches at once, one per GPU
