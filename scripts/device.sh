@@ -78,6 +78,9 @@ for name in "$@"; do
             step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
                 tests/test_llm_cuda.py -k "not tensor_parallel" &
             wait ;;
+        profile-serve-tp1) step profile-serve-tp1 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 \
+                --format raw -o "$OUT/profile-serve-tp1.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py \
+                --start --tp 1 ;;
         placement) step placement 420 python3 bench/placement.py --layouts split,two-replicas ;;
         tp1-pair)  # the two TP=1 benches at once, one per GPU
             step llm-tp1 300 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 &
