@@ -6,12 +6,13 @@
     server.py       LLMService: the gRPC servicer; tokenise, validate, resolve items, stream deltas
     inputs.py       request -> typed prompt: tokenisation, placeholder runs, rows counted before encoding
     encoders.py     the encoder pools (round_robin, shared memory or bytes) and their fan-out
-    engine.py       LLMEngine: the worker thread (scheduler step, model, detokenise, stop, emit)
+    engine.py       LLMEngine: the worker thread, one step ahead (schedule and submit step N+1, then
+                    read back, detokenise and emit step N)
     request.py      RequestState and Delta: one request inside the engine
     scheduler.py    continuous batching over the page allocator, pure Python
-    runner.py       ModelRunner: the model on one rank (launch / call / loop / execute)
+    runner.py       ModelRunner: the model on one rank (launch / submit / call / loop / execute)
     step_inputs.py  StepInputs and StepChannel: one step's inputs as one message, to every rank
-    graphs.py       decode steps replayed from CUDA graphs, per batch bucket
+    graphs.py       steps replayed from CUDA graphs: decode per batch bucket, mixed per token bucket
     tp.py           RankWorkers: ranks 1..N-1 as child processes of rank 0
     sampling.py     SamplingParams, RequestLimits and the batched sampler
     stops.py        stop strings matched incrementally (Aho-Corasick)
