@@ -175,8 +175,9 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """One eager prefill of a whole step's token budget, on every rank, before serving: the first step
-        of a new size pays one-time costs (library heuristics, the allocator's first segments, lazy imports;
-        1.9 s for an 8192-token step on the H200) that the first requests would otherwise wait for."""
+        of a new size pays one-time costs (library heuristics, the allocator's first segments, lazy imports:
+        torch's varlen attention imports torch._dynamo on its first call, 6.8 s on the H200 host) that the
+        first requests would otherwise wait for."""
         if self.device.type != "cuda":
             return
         alloc = self.pool.allocator

@@ -26,12 +26,9 @@ def flash_window(causal: bool, window) -> tuple[int, int]:
 
 class TorchVarlen(AttentionBackend):
     def probe(self) -> None:
+        # Its first call imports torch._dynamo (6.8 s on the H200 host): the LLM's start-up warm-up
+        # (ModelRunner._warm_up) makes that call, so no request waits for it.
         from torch.nn.attention.varlen import varlen_attn
-
-        if torch.cuda.is_available():  # the kernel's only target; a CPU process never calls it
-            # varlen_attn is a custom op whose first call imports torch._dynamo (~6 s on the H200 host): the
-            # first prompt a server took waited for it. Importing it here moves that into start-up.
-            import torch._dynamo  # noqa: F401
 
         params = inspect.signature(varlen_attn).parameters
         self._fn = varlen_attn
