@@ -125,3 +125,15 @@ def test_generating_with_another_grpcio_tools_is_refused(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="make protos"):
         _protogen.generate(REPO / "proto", tmp_path)
     assert not (tmp_path / "modalmesh").exists()
+
+
+def test_the_image_build_context_carries_the_committed_stubs():
+    """Regression: .dockerignore still excluded modalmesh/v1/ from when the image generated the stubs, so
+    the image's wheel had none and every compose build failed at `from modalmesh import pb`."""
+    repo = Path(__file__).resolve().parents[1]
+    rules = [line.strip() for line in (repo / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert "!modalmesh/" in rules
+    excluded_after = rules[rules.index("!modalmesh/") + 1:]
+    assert not [r for r in excluded_after if r.rstrip("/").startswith(("modalmesh/v1", "modalmesh/**"))], rules
+    assert (repo / "modalmesh/v1/llm_pb2.py").exists()
