@@ -29,7 +29,11 @@ fi
 "$VENV/bin/python" -c 'import google.protobuf, grpc, transformers; print("floor venv: protobuf",
 google.protobuf.__version__, "grpcio", grpc.__version__, "transformers", transformers.__version__)'
 echo "floor venv ready in $((SECONDS - start)) s"
-MODALMESH_REQUIRE_STUB_GENERATOR=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
+# -m 'floor or not floor': this venv also runs the tests marked `floor` (the stub byte check).
+# Deselected: Qwen2-Audio's transformers-5 layout, which transformers 5.0 does not produce (there is no
+# second layout to compare there; the main suite, on the pinned transformers, runs it).
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "floor or not floor" \
+    --deselect "tests/test_llm_models.py::test_both_multimodal_layouts_load_the_same_language_model[qwen2_audio]" \
     tests/test_protos.py tests/test_codec.py tests/test_wire.py tests/test_channel.py tests/test_server.py \
     tests/test_services.py tests/test_newcomer.py tests/test_config.py tests/test_detokenizer.py \
     tests/test_llm_models.py tests/test_vae_model.py "$@"
