@@ -9,7 +9,9 @@ from services.llm.scheduler import Scheduler, Sequence, SeqStatus
 def _run_step(sched, next_token=lambda seq: 7):
     step = sched.schedule()
     sampled = {c.seq.seq_id: next_token(c.seq) for c in step.chunks if c.sample}
-    sched.complete(step, sampled)
+    seqs = {c.seq.seq_id: c.seq for c in step.chunks}
+    for seq_id, index in sched.advance(step).items():
+        sched.fill(seqs[seq_id], index, sampled[seq_id])
     for seq in list(sched.running):
         if len(seq.output_ids) >= seq.max_tokens:
             sched.finish(seq, "length")

@@ -23,7 +23,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from modalmesh.attention import registry
 from modalmesh.attention.capability import Needs
 from modalmesh.attention.metadata import PagedMetadata, VarlenMetadata, current_metadata
 from modalmesh.attention.paged import check_cache, store_kv
@@ -102,11 +101,11 @@ class Attention(nn.Module):
         elif isinstance(meta, VarlenMetadata):
             layout = "varlen"
         tokens = self._check(layout, q, k, v, meta, kv_cache)
-        if layout == "paged" and meta.token_seq is not None and not registry.spec(self.backend_name).graph_safe:
-            meta = meta.per_token_as_decode()
         page_size = kv_cache[0].shape[1] if layout == "paged" else None
         offset = layout == "dense" and self.causal and q.shape[1] != k.shape[1]
         route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size, offset)
+        if layout == "paged" and meta.token_seq is not None and not route.backend.spec.graph_safe:
+            meta = meta.per_token_as_decode()  # per-token form: only graph-safe kernels read it as it is
         if route.rerouted_from is not None:
             self.selector.count_reroute(self.selection, route)
         if layout == "paged" and not kv_written:  # kv_written: the caller's fused kernel stored them

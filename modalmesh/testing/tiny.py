@@ -273,6 +273,23 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
 }
 
 
+def without_tensors(src: Path, dst: Path, *names: str) -> Path:
+    """A copy of checkpoint `src` at `dst` whose weights lack the tensors `names` (strict-loading tests)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from modalmesh.weights import CheckpointReader
+
+    state = {k: v.clone() for k, v in CheckpointReader(src)}
+    absent = [n for n in names if n not in state]
+    if absent:
+        raise KeyError(f"{src} has no tensors {absent}")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file({k: v for k, v in state.items() if k not in names}, str(dst / "model.safetensors"))
+    return dst
+
+
 def ensure(name: str, root: Path) -> Path:
     """The checkpoint `name` under root, made once and reused (a marker file says it is complete)."""
     out = Path(root) / name

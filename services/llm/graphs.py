@@ -34,9 +34,6 @@ from services.llm.step_inputs import StepInputs
 log = logging.getLogger(__name__)
 
 MIXED_MAX_TOKENS = 1024  # mixed steps up to this many tokens replay a graph; longer ones are prefill-bound
-# (token, context token) pairs a mixed graph's attention may read: past this, re-reading each token's
-# context costs more than the eager step's varlen kernel saves (64 decode rows of 8k tokens each)
-MIXED_MAX_CONTEXT_READS = 64 * 8192
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -69,6 +66,15 @@ def capture(sizes: list[int], forward: Callable[[int], torch.Tensor], device: to
         graphs[n] = graph
     torch.cuda.synchronize(device)
     return graphs, outputs
+
+
+def copy_positions(buffer: torch.Tensor, positions: torch.Tensor, n: int) -> None:
+    """A step's positions into a graph's static buffer: (n,), or (3, n) for M-RoPE (1-D text positions are
+    the same on the three axes)."""
+    if buffer.dim() == 2:
+        buffer[:, :n].copy_(positions if positions.dim() == 2 else positions.expand(3, -1))
+    else:
+        buffer[:n].copy_(positions)
 
 
 class DecodeGraphs:
@@ -118,11 +124,7 @@ class DecodeGraphs:
         b = inputs.graph_batch
         width = inputs.block_table.shape[1]
         self.input_ids[:b].copy_(inputs.input_ids)
-        if self.uses_mrope:
-            self.positions[:, :b].copy_(inputs.positions if inputs.positions.dim() == 2 else
-                                        inputs.positions.expand(3, -1))
-        else:
-            self.positions[:b].copy_(inputs.positions)
+        copy_positions(self.positions, inputs.positions, b)
         self.slot_mapping[:b].copy_(inputs.slot_mapping)
         self.context_lens[:b].copy_(inputs.context_lens_t)
         # Columns past `width` keep pages of earlier steps: never read, the context lengths stop short.
@@ -183,11 +185,7 @@ class MixedGraphs:
         t = inputs.graph_tokens
         batch, width = inputs.block_table.shape
         self.embeds[:t].copy_(embeds)
-        if self.uses_mrope:
-            self.positions[:, :t].copy_(inputs.positions if inputs.positions.dim() == 2 else
-                                        inputs.positions.expand(3, -1))
-        else:
-            self.positions[:t].copy_(inputs.positions)
+        copy_positions(self.positions, inputs.positions, t)
         self.slot_mapping[:t].copy_(inputs.slot_mapping)
         self.token_seq[:t].copy_(inputs.token_seq)
         self.token_ctx[:t].copy_(inputs.token_ctx)

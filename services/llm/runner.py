@@ -5,10 +5,10 @@ its attention selector, its shard of the model, its shard of the KV pool (the
 same pages on every rank: one block table serves all), and, on CUDA, its decode
 graphs. Then (nano-vllm's `call` / `loop`):
 
-    rank 0:      sampled = runner.run(step)   # prepare -> call: publish the inputs, execute locally -> sample
+    rank 0:      runner.submit(step, previous).wait()   # prepare -> call: publish, execute -> sample
     ranks >= 1:  runner.loop()                # receive the inputs, execute, until rank 0 stops the group
 
-`run` is `submit(step).wait()`: `submit` queues the step's work on the device
+`submit` queues the step's work on the device
 (sampling included) and starts one non-blocking copy of the sampled tokens to
 the host; `wait` reads them. The engine submits step N+1 before it waits for
 step N (`submit(step, previous=...)`): step N's tokens, not yet on the host, are
@@ -41,7 +41,8 @@ from modalmesh.kv.pool import build_kv_pool
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.metrics import Metrics
 from services.llm.config import LLMConfig
-from services.llm.graphs import MIXED_MAX_CONTEXT_READS, DecodeGraphs, MixedGraphs
+from modalmesh.attention.backends.triton_paged import PER_TOKEN_BUDGET
+from services.llm.graphs import DecodeGraphs, MixedGraphs
 from services.llm.loader import load_llm
 from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
@@ -206,10 +207,6 @@ class ModelRunner:
         return reports
 
     # ---- rank 0 -------------------------------------------------------------------------
-    def run(self, step: Step) -> list[Sampled]:
-        """Rank 0: one scheduled step on every rank; the sampled token of each chunk that ends its sequence."""
-        return self.submit(step).wait()
-
     @torch.inference_mode()
     def submit(self, step: Step, previous: InFlight | None = None) -> InFlight:
         """Rank 0: queue one scheduled step on every rank, sampling included, without waiting for it.
@@ -294,7 +291,7 @@ class ModelRunner:
     def _per_token(self, step: Step, bucket: int) -> dict:
         """A mixed graph's per-token inputs, padded to `bucket`: each token's KV slot, block-table row and
         causal length. {} when the tokens would re-read more context than an eager step costs."""
-        if sum(c.length * (2 * c.start + c.length + 1) // 2 for c in step.chunks) > MIXED_MAX_CONTEXT_READS:
+        if sum(c.length * (2 * c.start + c.length + 1) // 2 for c in step.chunks) > PER_TOKEN_BUDGET:
             return {}
         alloc, page = self.pool.allocator, self.pool.page_size
         slots, seq_rows, ctx = [], [], []

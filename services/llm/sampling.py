@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from modalmesh import pb
+from modalmesh.attention.metadata import host_to_device  # never waits for the device: the engine runs ahead
 from modalmesh.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
@@ -127,18 +128,12 @@ class SamplerRow:
             generator.manual_seed(params.seed)
         seen = None
         if params.repetition_penalty != 1.0:
-            seen = _on(device, prompt_ids, torch.long)
+            seen = host_to_device(prompt_ids, torch.long, device)
         return cls(params, generator, seen)
 
     def observe(self, token: int) -> None:
         if self.seen is not None:
-            self.seen = torch.cat((self.seen, _on(self.seen.device, [token], torch.long)))
-
-
-def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small host list on `device` without waiting for the device (`torch.tensor(..., device=)` would
-    synchronise the stream: the engine launches the next step before the current one has finished)."""
-    return torch.tensor(values, dtype=dtype, device="cpu").to(device, non_blocking=True)
+            self.seen = torch.cat((self.seen, host_to_device([token], torch.long, self.seen.device)))
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -180,13 +175,13 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> tuple[torch.Tensor, 
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if sampled:
         device = logits.device
-        idx = _on(device, sampled, torch.long)
+        idx = host_to_device(sampled, torch.long, device)
         sub = processed[idx]
-        temperature = _on(device, [rows[i].params.temperature for i in sampled], torch.float32)
+        temperature = host_to_device([rows[i].params.temperature for i in sampled], torch.float32, device)
         sub = sub / temperature.unsqueeze(1)
         if any(rows[i].params.top_k > 0 or rows[i].params.top_p < 1 for i in sampled):
-            top_k = _on(device, [rows[i].params.top_k for i in sampled], torch.long)
-            top_p = _on(device, [rows[i].params.top_p for i in sampled], torch.float32)
+            top_k = host_to_device([rows[i].params.top_k for i in sampled], torch.long, device)
+            top_p = host_to_device([rows[i].params.top_p for i in sampled], torch.float32, device)
             sub = _top_k_top_p(sub, top_k, top_p)
         probs = sub.softmax(dim=-1)
         # Exponential race == multinomial draw; per-row generators keep seeded rows independent.

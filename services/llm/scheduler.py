@@ -183,15 +183,6 @@ class Scheduler:
             raise RuntimeError(f"{seq.seq_id}: output {index} is {seq.output_ids[index]}, not pending")
         seq.output_ids[index] = token
 
-    def complete(self, step: Step, sampled: dict[Hashable, int]) -> None:
-        """`advance` and `fill` at once: a step whose tokens are already known."""
-        by_id = {c.seq.seq_id: c.seq for c in step.chunks}
-        for seq_id, index in self.advance(step).items():
-            if seq_id in sampled:
-                self.fill(by_id[seq_id], index, sampled[seq_id])
-            else:
-                by_id[seq_id].output_ids.pop(index)
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length, abort): its pages go back to the pool now."""
         if seq.status is SeqStatus.FINISHED:

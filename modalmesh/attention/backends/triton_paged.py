@@ -184,7 +184,8 @@ class TritonPaged(AttentionBackend):
 
 
 # Above this many (token x context) pairs among the per-token rows, re-reading each token's context costs
-# more than SDPA over the gathered pages: 64 decode rows of 8k tokens each.
+# more than the alternatives (SDPA over the gathered pages here; an eager step for the LLM's mixed-step
+# graphs): 64 decode rows of 8k tokens each.
 PER_TOKEN_BUDGET = 64 * 8192
 
 
@@ -217,19 +218,15 @@ class MixedPlan:
         if sum(token_ctx) > PER_TOKEN_BUDGET:
             return None
         device = meta.device
-
-        def on_device(values, dtype):
-            return host_to_device(values, dtype, device)
-
         prompt_meta = None
         if prompt_lens:
-            prompt_meta = VarlenMetadata(on_device([0, *accumulate(prompt_lens)], torch.int32), max(prompt_lens),
-                                         tuple(prompt_lens))
+            prompt_meta = VarlenMetadata(host_to_device([0, *accumulate(prompt_lens)], torch.int32, device),
+                                         max(prompt_lens), tuple(prompt_lens))
         return cls(
-            token_rows=on_device(token_rows, torch.int64) if token_rows else None,
-            token_seq=on_device(token_seq, torch.int32) if token_rows else None,
-            token_ctx=on_device(token_ctx, torch.int32) if token_rows else None,
-            prompt_rows=on_device(prompt_rows, torch.int64) if prompt_rows else None,
+            token_rows=host_to_device(token_rows, torch.int64, device) if token_rows else None,
+            token_seq=host_to_device(token_seq, torch.int32, device) if token_rows else None,
+            token_ctx=host_to_device(token_ctx, torch.int32, device) if token_rows else None,
+            prompt_rows=host_to_device(prompt_rows, torch.int64, device) if prompt_rows else None,
             prompt_meta=prompt_meta,
         )
 
