@@ -21,6 +21,7 @@ ENV_PREFIX = "MODALMESH_"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype (modalmesh.service maps them to torch dtypes)
 
 
 def env_name(dest: str) -> str:
@@ -103,3 +104,35 @@ def add_process_arguments(parser: argparse.ArgumentParser, *, port: int, protoco
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help=f"seconds in-flight {what} get to finish on SIGTERM")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log level")
+
+
+def service_parser(service: str, description: str, *, max_message_mb: int = 64) -> argparse.ArgumentParser:
+    """The flags of `python -m services.<service>`: the process flags (modalmesh.flags) and the model's."""
+    parser = EnvArgumentParser(prog=f"python -m services.{service}", description=description)
+    parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
+    parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
+    add_process_arguments(parser, port=50051)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPE_NAMES],
+                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU, or the service's own)")
+    parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
+    parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
+    parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
+    parser.add_argument("--max-connection-age", type=float, default=300.0,
+                        help="seconds before a client connection is asked to reconnect (load balancing); 0: never")
+    parser.add_argument("--max-connection-age-grace", type=float, default=None,
+                        help="seconds calls in flight on an aged connection may still run (default: unlimited)")
+    from modalmesh.rpc.security import add_security_arguments  # grpc, not torch
+
+    add_security_arguments(parser)
+    parser.add_argument("--no-reflection", dest="reflection", action="store_false",
+                        help="do not serve gRPC server reflection (it lists every method to anyone who connects)")
+    return parser
+
+
+def help_requested(argv: list[str] | None = None) -> bool:
+    """Whether the command line asks for --help: a service's ``__main__`` then prints its flags from its
+    flags module, before importing the model stack (torch takes seconds to import)."""
+    import sys
+
+    return any(arg in ("-h", "--help") for arg in (sys.argv[1:] if argv is None else argv))

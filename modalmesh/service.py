@@ -26,36 +26,16 @@ from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError, Unavailable
-from modalmesh.flags import EnvArgumentParser, add_process_arguments, env_name
+from modalmesh.flags import DTYPE_NAMES, env_name, service_parser
 from modalmesh.process import die_with_parent
-from modalmesh.rpc.security import INSECURE, Security, add_security_arguments
+from modalmesh.rpc.security import INSECURE, Security
 from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerConfig, serve_until_signal
 
 log = logging.getLogger("modalmesh")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def build_parser(service: str, description: str, *, max_message_mb: int = 64) -> argparse.ArgumentParser:
-    """The flags of `python -m services.<service>`: the process flags (modalmesh.flags) and the model's."""
-    parser = EnvArgumentParser(prog=f"python -m services.{service}", description=description)
-    parser.add_argument("--model", type=str, default=None, help="checkpoint directory (Hugging Face / diffusers layout)")
-    parser.add_argument("--model-id", type=str, default=None, help="name reported in Info (default: the directory name)")
-    add_process_arguments(parser, port=50051)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU, or the service's own)")
-    parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
-    parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
-    parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
-    parser.add_argument("--max-connection-age", type=float, default=300.0,
-                        help="seconds before a client connection is asked to reconnect (load balancing); 0: never")
-    parser.add_argument("--max-connection-age-grace", type=float, default=None,
-                        help="seconds calls in flight on an aged connection may still run (default: unlimited)")
-    add_security_arguments(parser)
-    parser.add_argument("--no-reflection", dest="reflection", action="store_false",
-                        help="do not serve gRPC server reflection (it lists every method to anyone who connects)")
-    return parser
+assert tuple(DTYPES) == DTYPE_NAMES  # the flags' choices (declared without torch) are these
+build_parser = service_parser  # the flags of `python -m services.<service>` (modalmesh/flags.py)
 
 
 def resolve_device(name: str) -> torch.device:

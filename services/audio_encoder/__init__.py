@@ -6,5 +6,6 @@
     features.py   Whisper log-mel features, equal to transformers' WhisperFeatureExtractor
     models/       the towers: Whisper encoder, Qwen2-Audio tower + projector; architecture only
     model.py      AudioEncoderModel: the shared encoder contract (prepare / encode)
-    server.py     AudioEncoderService: the shared EncoderService plus audio flags and Info facts
+    flags.py      the encoder flags plus the tower's, declared without torch (`--help`)
+    server.py     AudioEncoderService: the shared EncoderService plus its flags and Info facts
 """

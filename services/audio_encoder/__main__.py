@@ -1,6 +1,13 @@
 import sys
 
-from modalmesh.service import run
-from services.audio_encoder.server import AudioEncoderService
+from modalmesh.flags import help_requested
+
+if help_requested():  # the flags alone: no model stack (torch) to import for --help
+    from services.audio_encoder.flags import parser
+
+    parser().parse_args()  # prints the help and exits
+
+from modalmesh.service import run  # noqa: E402
+from services.audio_encoder.server import AudioEncoderService  # noqa: E402
 
 sys.exit(run(AudioEncoderService))

@@ -62,8 +62,7 @@ from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_AUDIO_SECONDS = 600.0
-WHISPER_ROWS = ("valid", "full")
+from services.audio_encoder.flags import DEFAULT_MAX_AUDIO_SECONDS, WHISPER_ROWS  # noqa: E402 - flag defaults
 
 
 @dataclass(frozen=True)

@@ -12,29 +12,19 @@ from __future__ import annotations
 import argparse
 
 from modalmesh import pb
-from services.audio_encoder.model import (
-    DEFAULT_MAX_AUDIO_SECONDS,
-    WHISPER_ROWS,
-    AudioEncoderModel,
-    build_encoder_model,
-)
+from services.audio_encoder import flags as audio_flags
+from services.audio_encoder.model import AudioEncoderModel, build_encoder_model
 from services.encoder.service import EncoderService
 
 
 class AudioEncoderService(EncoderService):
-    name = "audio_encoder"
-    description = "modalmesh audio encoder: EncoderService over an audio tower (Whisper, Qwen2-Audio)."
+    name = audio_flags.NAME
+    description = audio_flags.DESCRIPTION
     modality = pb.AUDIO
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        super().add_arguments(parser)
-        # 16 windows of 30 s (3000 mel frames each): Whisper-large's best batch on an H200 (bench/audio.py).
-        parser.set_defaults(max_batch_tokens=48000)
-        parser.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
-                            help="longest clip accepted (longer: INVALID_ARGUMENT)")
-        parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
-                            help="Whisper: rows covering the valid audio of each 30 s window, or all 1500")
+        audio_flags.add_arguments(parser)
 
     @classmethod
     def model_options(cls, args: argparse.Namespace) -> dict:

@@ -25,6 +25,7 @@ from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
 from services.encoder.cache import Answer, EmbeddingCache
+from services.encoder import flags as encoder_flags
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
@@ -52,7 +53,7 @@ def add_encoder_service(servicer, server) -> None:
 
 class EncoderService(Service):
     grpc_service = pb.ENCODER_SERVICE
-    max_message_mb = 128
+    max_message_mb = encoder_flags.MAX_MESSAGE_MB
 
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)
@@ -67,24 +68,7 @@ class EncoderService(Service):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--max-batch-tokens", type=int, default=16384,
-                            help="batch budget in patches (vision) or mel frames (audio)")
-        parser.add_argument("--max-batch-items", type=int, default=64)
-        parser.add_argument("--batch-window-ms", type=float, default=2.0,
-                            help="how long a batch waits for concurrent requests to join")
-        parser.add_argument("--max-queue", type=int, default=1024, help="queued items beyond this: RESOURCE_EXHAUSTED")
-        parser.add_argument("--max-items-per-request", type=int, default=64)
-        parser.add_argument("--cache-mb", type=int, default=256, help="embedding cache size (0 disables)")
-        parser.add_argument("--preprocess-threads", type=int, default=4)
-        parser.add_argument("--shared-memory-transfer", choices=("auto", "off"), default="auto",
-                            help="auto: answer clients that prove they share this host's /dev/shm through shared "
-                                 "memory instead of message bytes; off: always bytes")
-        parser.add_argument("--shared-memory-mb", type=int, default=1024,
-                            help="most /dev/shm the answers may hold at once (beyond it they go as bytes)")
-        parser.add_argument("--shared-memory-ttl", type=float, default=30.0,
-                            help="seconds a shared-memory answer waits for its reader before its slab is retired")
-        parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                            help="skip the warm-up forward before turning SERVING")
+        encoder_flags.add_arguments(parser)
 
     # -- hooks for the vision / audio subclass ---------------------------------------------
     @classmethod

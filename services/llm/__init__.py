@@ -2,6 +2,8 @@
 
     python -m services.llm --model DIR [--tensor-parallel-size N] [--vision-encoder T] [--audio-encoder T]
 
+    flags.py        the service's flags, declared without torch (`--help` answers before the model stack)
+    limits.py       RequestLimits: what one request may ask (stop strings, stop ids, items)
     config.py       LLMConfig: every setting, one frozen value built from the flags, replaced per rank
     server.py       LLMService: the gRPC servicer; tokenise, validate, resolve items, stream deltas
     inputs.py       request -> typed prompt: tokenisation, placeholder runs, rows counted before encoding

@@ -21,7 +21,7 @@ import torch
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.rpc.security import INSECURE, Security
-from services.llm.sampling import RequestLimits
+from services.llm.limits import RequestLimits
 
 CPU_DEFAULT_KV_TOKENS = 32768  # a CPU pool sized from free RAM would be absurd
 

@@ -2,6 +2,7 @@
 
     python -m services.vae --model DIR [--max-batch N] [--tile-size N] [--dtype float32|bfloat16]
 
+    flags.py      the service's flags, declared without torch (`--help` answers before the model stack)
     config.py     VAEConfig (the checkpoint's config.json, frozen) and VAEServiceConfig (the flags, once)
     server.py     VAEDecoderService: flags, load, Info; Decode = inputs -> batcher -> reply
     inputs.py     DecodeRequest -> DecodeJob: every check, unscaling; the wire types stop here

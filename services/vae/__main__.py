@@ -1,7 +1,14 @@
 """`python -m services.vae --model DIR`: the VAE decoder service."""
 import sys
 
-from modalmesh.service import run
-from services.vae.server import VAEDecoderService
+from modalmesh.flags import help_requested
+
+if help_requested():  # the flags alone: no model stack (torch) to import for --help
+    from services.vae.flags import parser
+
+    parser().parse_args()  # prints the help and exits
+
+from modalmesh.service import run  # noqa: E402
+from services.vae.server import VAEDecoderService  # noqa: E402
 
 sys.exit(run(VAEDecoderService))

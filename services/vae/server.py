@@ -21,6 +21,7 @@ from modalmesh.errors import ConfigError
 from modalmesh.rpc.codec import to_proto
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.service import Service
+from services.vae import flags as vae_flags
 from services.vae.batcher import DecodeBatcher, JobResult, decode_jobs
 from services.vae.config import VAEConfig, VAEServiceConfig, find_vae_dir
 from services.vae.engine import TilingDefaults, VAEEngine, encode_png
@@ -31,32 +32,15 @@ log = logging.getLogger(__name__)
 
 
 class VAEDecoderService(Service):
-    name = "vae"
+    name = vae_flags.NAME
     grpc_service = pb.VAE_SERVICE
-    description = "modalmesh VAE service: latents -> PNG or pixel tensors."
-    max_message_mb = 256  # responses carry full-resolution images
+    description = vae_flags.DESCRIPTION
+    max_message_mb = vae_flags.MAX_MESSAGE_MB
     auto_dtype = torch.float32  # FP32 is the VAE's default serving dtype
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("VAE decoding")
-        g.add_argument("--max-batch", type=int, default=8, help="images per decoder call (equal latent shapes)")
-        g.add_argument("--max-queue", type=int, default=64, help="requests waiting; beyond: RESOURCE_EXHAUSTED")
-        g.add_argument("--max-images", type=int, default=16, help="images per request")
-        g.add_argument("--max-latent-side", type=int, default=1024, help="largest latent height/width accepted")
-        g.add_argument("--tile-size", type=int, default=0,
-                       help="latent pixels per tile side (0: config sample_size / scale factor, as diffusers)")
-        g.add_argument("--tile-overlap", type=int, default=-1, help="latent overlap of tiles (-1: tile size / 4)")
-        g.add_argument("--tile-threshold", type=int, default=0,
-                       help="AUTO tiling when a latent side exceeds this (0: the tile size)")
-        g.add_argument("--tile-batch", type=int, default=4, help="tiles per decoder call when tiling")
-        g.add_argument("--max-decode-seconds", type=float, default=300.0,
-                       help="a decoder call stops past this (DEADLINE_EXCEEDED), keeping the queue moving; 0: none")
-        g.add_argument("--max-untiled-mb", type=int, default=0,
-                       help="AUTO tiling when an untiled decode would need more (0: free device memory on CUDA)")
-        g.add_argument("--channels-last", action="store_true", help="NHWC activations (CUDA convolutions)")
-        g.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time conv algorithms per shape")
-        g.add_argument("--png-compress-level", type=int, default=1, choices=range(10), metavar="0-9")
+        vae_flags.add_arguments(parser)
 
     def __init__(self, args: argparse.Namespace, metrics):
         super().__init__(args, metrics)

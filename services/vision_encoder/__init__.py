@@ -8,5 +8,6 @@
     decode_memory.py  decoded-bytes limits and the decode memory budget shared by preparing threads
     models/         the towers: Qwen2-VL, Qwen2.5-VL (window attention), SigLIP; architecture only
     model.py        VisionEncoderModel: the shared encoder contract (prepare / encode)
-    server.py       VisionEncoderService: the shared EncoderService plus vision flags and Info facts
+    flags.py        the encoder flags plus the tower's, declared without torch (`--help`)
+    server.py       VisionEncoderService: the shared EncoderService plus its flags and Info facts
 """

@@ -40,7 +40,7 @@ from modalmesh.rpc.codec import from_proto
 from services.vision_encoder.decode_memory import DEFAULT_MAX_DECODED_BYTES, MiB, decoded_bytes
 
 FORMATS = ("PNG", "JPEG", "WEBP")
-DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
+from services.vision_encoder.flags import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402 - the flag's default
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 

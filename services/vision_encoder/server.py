@@ -14,31 +14,18 @@ import argparse
 from modalmesh import pb
 from services.encoder.service import EncoderService
 from services.vision_encoder.model import VisionEncoderModel, build_encoder_model
-from services.vision_encoder.models.siglip import OUTPUTS
-from services.vision_encoder.decode_memory import DEFAULT_DECODE_MEMORY, DEFAULT_MAX_DECODED_BYTES, MiB
-from services.vision_encoder.preprocess import DEFAULT_MAX_IMAGE_PIXELS
+from services.vision_encoder import flags as vision_flags
+from services.vision_encoder.decode_memory import MiB
 
 
 class VisionEncoderService(EncoderService):
-    name = "vision_encoder"
-    description = "modalmesh vision encoder: EncoderService over a vision tower."
+    name = vision_flags.NAME
+    description = vision_flags.DESCRIPTION
     modality = pb.IMAGE
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        super().add_arguments(parser)
-        parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                            help="largest decoded image accepted (width*height, checked before decoding)")
-        parser.add_argument("--max-image-decoded-mb", type=float, default=DEFAULT_MAX_DECODED_BYTES / MiB,
-                            help="largest decoded image accepted, in MiB (RGBA and 16-bit images take more per pixel)")
-        parser.add_argument("--decode-memory-mb", type=float, default=DEFAULT_DECODE_MEMORY / MiB,
-                            help="memory that concurrent image decodes may take together (a decode waits its turn)")
-        parser.add_argument("--max-request-pixels", type=int, default=0,
-                            help="largest per-item max_pixels budget a request may ask for "
-                                 "(0: the checkpoint's max_pixels)")
-        parser.add_argument("--siglip-output", default="patch", choices=OUTPUTS,
-                            help="SigLIP rows: patch embeddings (after post_layernorm), the pooled embedding, "
-                                 "or both (patch rows, then the pooled row)")
+        vision_flags.add_arguments(parser)
 
     @classmethod
     def model_options(cls, args: argparse.Namespace) -> dict:

@@ -26,7 +26,7 @@ from modalmesh.weights.param import default_weight_loader, set_weight_loader
 from services.vision_encoder.models.common import ATTENTION_NAMES, PatchEmbed
 
 COMPONENT = "vision_encoder"
-OUTPUTS = ("patch", "pooled", "both")
+from services.vision_encoder.flags import SIGLIP_OUTPUTS as OUTPUTS  # noqa: E402 - --siglip-output's choices
 
 
 class SiglipAttention(nn.Module):

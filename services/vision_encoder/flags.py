@@ -1,0 +1,39 @@
+"""The vision encoder's flags, declared without the model stack (`--help` imports no torch).
+
+VisionEncoderService.add_arguments is `add_arguments`: the shared encoder flags, then the tower's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from modalmesh.flags import service_parser
+from services.encoder import flags as encoder_flags
+from services.vision_encoder.decode_memory import DEFAULT_DECODE_MEMORY, DEFAULT_MAX_DECODED_BYTES, MiB
+
+NAME = "vision_encoder"
+DESCRIPTION = "modalmesh vision encoder: EncoderService over a vision tower."
+DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
+SIGLIP_OUTPUTS = ("patch", "pooled", "both")  # SigLIP's rows: patch embeddings, the pooled one, or both
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    encoder_flags.add_arguments(parser)
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help="largest decoded image accepted (width*height, checked before decoding)")
+    parser.add_argument("--max-image-decoded-mb", type=float, default=DEFAULT_MAX_DECODED_BYTES / MiB,
+                        help="largest decoded image accepted, in MiB (RGBA and 16-bit images take more per pixel)")
+    parser.add_argument("--decode-memory-mb", type=float, default=DEFAULT_DECODE_MEMORY / MiB,
+                        help="memory that concurrent image decodes may take together (a decode waits its turn)")
+    parser.add_argument("--max-request-pixels", type=int, default=0,
+                        help="largest per-item max_pixels budget a request may ask for "
+                             "(0: the checkpoint's max_pixels)")
+    parser.add_argument("--siglip-output", default="patch", choices=SIGLIP_OUTPUTS,
+                        help="SigLIP rows: patch embeddings (after post_layernorm), the pooled embedding, "
+                             "or both (patch rows, then the pooled row)")
+
+
+def parser() -> argparse.ArgumentParser:
+    built = service_parser(NAME, DESCRIPTION, max_message_mb=encoder_flags.MAX_MESSAGE_MB)
+    add_arguments(built)
+    return built
