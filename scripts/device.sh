@@ -8,6 +8,8 @@
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
 #   bash scripts/device.sh llm-tp2 serve-tp1 serve-tp2 placement                     # issue 17, call 2 of 2
 #   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
+#   bash scripts/device.sh encoder-tests encode-load encode-load-before vision-bench audio-bench transfer \
+#       profile-encode                                                  # issue 18, one H200 (kind nvidia-h200)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -88,6 +90,20 @@ for name in "$@"; do
             wait ;;
         profile-tp2) step profile-tp2 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-tp2.txt" -- python3 bench/serve.py --start --tp 2 --requests 256 ;;
+        encoder-tests) step encoder-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
+                tests/test_vision_preprocess.py tests/test_vision_models.py tests/test_vision_service.py \
+                tests/test_audio_features.py tests/test_audio_models.py tests/test_audio_service.py \
+                tests/test_shm.py $(ls tests/test_transfer*.py tests/test_vision_device*.py tests/test_audio_device*.py \
+                2>/dev/null) ;;
+        encode-load) step encode-load 420 python3 bench/encode_load.py ;;
+        encode-load-before)  # the same load on the code before this issue (.before: git archive of that commit)
+            cp bench/encode_load.py .before/bench/ 2>/dev/null
+            step encode-load-before 420 bash -c 'cd .before && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py' ;;
+        vision-bench) step vision-bench 420 python3 bench/vision.py ;;
+        audio-bench) step audio-bench 300 python3 bench/audio.py --profile ;;
+        transfer) step transfer 300 python3 bench/transfer.py ;;
+        profile-encode) step profile-encode 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
+                -o "$OUT/profile-encode.txt" -- python3 bench/encode_load.py --only siglip,whisper ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

@@ -1,0 +1,270 @@
+"""Encoder services under load: N concurrent clients driving the real gRPC `Encode`, beside the tower alone.
+
+    python bench/encode_load.py                        # on a GPU: real shapes, bf16, random weights
+    python bench/encode_load.py --only siglip --clients 64
+    python bench/encode_load.py --quick                # tiny shapes on the CPU (checks the script, not speed)
+
+Cases (the issue's targets through the service on one H200):
+  siglip     SigLIP-so400m-patch14-384, 512x384 JPEGs (resized to 384^2)       >= 500 img/s
+  qwen2vl    Qwen2-VL-7B vision tower, 448x448 JPEGs                           >= 160 img/s
+  whisper    Whisper-large-v3 encoder, 30 s WAV clips at 16 kHz                >= 140 clips/s
+
+For each case the bench first times the tower alone, in this process: one batch (SigLIP 32,
+Qwen2-VL 8, Whisper 16) prepared and encoded once, the tower's own inputs caught on the device
+with a forward pre-hook, then the tower forward replayed on them (CUDA events, median). Then it
+starts the encoder service (`--dummy-weights`, its own process, the same GPU) and drives it the
+way the LLM does: every item its own Encode call, through the LLM's own encoder client
+(`services.llm.encoders.EncoderPool`) with the same-host transfer offered, and every embedding
+copied onto this process's GPU (where an LLM would splice it). Each request carries different
+content, so the embedding cache never answers. Printed: items/s through the service, latency
+p50/p99, the service's mean batch size, beside the tower-only items/s and the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from modalmesh import pb  # noqa: E402
+from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    service: str  # "vision_encoder" | "audio_encoder"
+    unit: str
+    tower_batch: int
+    requests: int
+    target: float  # items/s through the service (the issue's)
+    batch_tokens: int  # --max-batch-tokens: room for a full batch of this case's items
+
+
+CASES = {
+    "siglip": Case("siglip", "vision_encoder", "img", 32, 2048, 500.0, 32 * 729),
+    "qwen2vl": Case("qwen2vl", "vision_encoder", "img", 8, 1024, 160.0, 16 * 1024),
+    "whisper": Case("whisper", "audio_encoder", "clip", 16, 512, 140.0, 16 * 3000),
+}
+
+
+# ---- checkpoints (configs only: the services load random weights with --dummy-weights) ---------------
+
+
+def checkpoint(case: Case, root: Path, quick: bool) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    if case.name == "whisper":
+        from transformers import WhisperConfig, WhisperFeatureExtractor
+
+        from bench.audio import LARGE_V3, QUICK
+
+        shape = QUICK if quick else LARGE_V3
+        WhisperConfig(**shape, architectures=["WhisperForConditionalGeneration"]).save_pretrained(root)
+        WhisperFeatureExtractor(feature_size=shape["num_mel_bins"]).save_pretrained(root)
+        return root
+    from bench.vision import hf_config
+
+    cfg, proc = hf_config("siglip" if case.name == "siglip" else "qwen2_vl", quick)
+    cfg.save_pretrained(root)
+    (root / "preprocessor_config.json").write_text(json.dumps(proc))
+    return root
+
+
+# ---- inputs: different content per request ---------------------------------------------------------
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    """A photo-like JPEG: smooth colour fields plus grain (random noise alone compresses badly)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
+    pixels = np.asarray(base, dtype=np.int16) + rng.integers(-12, 13, (height, width, 3), dtype=np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def wav(seconds: float, rate: int, seed: int) -> bytes:
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t) + 0.05 * rng.standard_normal(t.shape)
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def items(case: Case, n: int, quick: bool) -> list[pb.EncodeItem]:
+    if case.name == "whisper":
+        return [pb.EncodeItem(data=wav(3.0 if quick else 30.0, 16000, i)) for i in range(n)]
+    if case.name == "siglip":
+        size = (80, 60) if quick else (512, 384)
+    else:
+        size = (112, 112) if quick else (448, 448)
+    return [pb.EncodeItem(data=jpeg(*size, i)) for i in range(n)]
+
+
+# ---- the tower alone -------------------------------------------------------------------------------
+
+
+def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype, iters: int, quick: bool) -> float:
+    """Items/s of the tower forward on device-resident inputs (what `encode` hands the tower)."""
+    if case.service == "audio_encoder":
+        from services.audio_encoder.model import build_encoder_model
+    else:
+        from services.vision_encoder.model import build_encoder_model
+    model = build_encoder_model(ckpt, device=device, dtype=dtype, dummy=True)
+    tower = getattr(model, "tower", None) or model.module
+    caught = {}
+
+    def catch(module, args, kwargs):
+        caught["args"], caught["kwargs"] = args, kwargs
+
+    handle = tower.register_forward_pre_hook(catch, with_kwargs=True)
+    batch = [model.prepare(item, i) for i, item in enumerate(items(case, case.tower_batch, quick))]
+    model.encode(batch)
+    handle.remove()
+
+    def forward():
+        with torch.inference_mode():
+            tower(*caught["args"], **caught["kwargs"])
+
+    for _ in range(3):
+        forward()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            forward()
+            times.append(time.perf_counter() - t0)
+    del model, tower, caught
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return case.tower_batch / statistics.median(times)
+
+
+# ---- the service under load ------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
+
+
+async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device) -> dict:
+    from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
+    from services.llm.encoders import EncoderPool
+
+    probe = ShmProbe() if shm_available() else None
+    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device)
+    latencies: list[float] = []
+    next_item = iter(range(len(work)))
+
+    async def client():
+        for i in next_item:
+            start = time.perf_counter()
+            _reply, tensor = await pool.encode_one(work[i], i, timeout=600)
+            if tensor is None:
+                raise RuntimeError("the encoder answered with no embedding")
+            latencies.append(time.perf_counter() - start)
+
+    try:
+        await asyncio.gather(*(client() for _ in range(min(clients, 4))))  # warm: channel, kernels, allocator
+        latencies.clear()
+        next_item = iter(range(min(clients, 4), len(work)))
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        await pool.close()
+        if probe is not None:
+            probe.close()
+    return dict(items_s=len(latencies) / wall, p50_ms=percentile(latencies, 50) * 1e3,
+                p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall)
+
+
+def mean_batch(proc: ServiceProcess) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    sums = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
+            if s.name in ("modalmesh_batch_size_sum", "modalmesh_batch_size_count")}
+    count = sums.get("modalmesh_batch_size_count", 0)
+    return sums.get("modalmesh_batch_size_sum", 0) / count if count else float("nan")
+
+
+def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
+    ckpt = checkpoint(case, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")), args.quick)
+    row = {"case": case.name, "unit": case.unit, "target": case.target}
+    row["tower_items_s"] = tower_only(case, ckpt, device, dtype, args.iters, args.quick)
+    n = min(args.requests or case.requests, 48 if args.quick else 10**9)
+    t0 = time.perf_counter()
+    work = items(case, n, args.quick)
+    row["make_inputs_s"] = time.perf_counter() - t0
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt), "--dummy-weights",
+             "--max-batch-tokens", str(case.batch_tokens), "--max-batch-items", "64", *args.service_flag]
+    flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
+    proc = ServiceProcess(case.service, flags).start()
+    try:
+        proc.wait_listening(600)
+        proc.wait_serving(timeout=900)
+        modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
+        row.update(asyncio.run(drive(proc.target, modality, work, args.clients, device)))
+        row["mean_batch"] = mean_batch(proc)
+    finally:
+        proc.terminate(timeout=60)
+    row["service_vs_tower"] = row["items_s"] / row["tower_items_s"]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    parser.add_argument("--only", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=0, help="per case (0: the case's default)")
+    parser.add_argument("--iters", type=int, default=10, help="tower-only timing iterations")
+    parser.add_argument("--service-flag", action="append", default=[],
+                        help="an extra flag for the encoder service (repeat it), e.g. --service-flag=--preprocess-device=cpu")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        args.clients = min(args.clients, 8)
+        args.iters = min(args.iters, 2)
+    rows = [run_case(CASES[name], args, device, dtype) for name in args.only.split(",")]
+    print(f"\n{args.clients} concurrent clients, one item per Encode call, embeddings copied to {device}")
+    print(f"{'case':>8} | {'service':>9} | {'tower only':>10} | {'ratio':>5} | {'target':>7} | {'p50 ms':>7} | "
+          f"{'p99 ms':>7} | {'batch':>5}")
+    for r in rows:
+        print(f"{r['case']:>8} | {r['items_s']:9.1f} | {r['tower_items_s']:10.1f} | {r['service_vs_tower']:5.2f} | "
+              f"{r['target']:7.0f} | {r['p50_ms']:7.1f} | {r['p99_ms']:7.1f} | {r['mean_batch']:5.1f}  ({r['unit']}/s)")
+    print("RESULT " + json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
