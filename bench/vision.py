@@ -13,13 +13,21 @@ No downloads: configs are written in code, HF models built from them on the devi
 built from the same config.json with --dummy-weights, then given the HF model's weights
 (so the two can be compared: max |ours - HF| relative to max |HF|). Timing: CUDA events,
 warm-up, median of `--iters` runs of the tower forward on device-resident pixels (both
-sides alike); ours end-to-end (`encode`: host->device, forward, device->host) and CPU
-preprocessing (`prepare`, one thread) are printed beside it.
+sides alike); ours end-to-end (`encode` of CPU-preprocessed items: host->device, forward;
+the rows stay on the device) and CPU preprocessing (`prepare`, one thread) are printed beside it.
+
+Preprocessing, CPU path against device path (`--preprocess-device`), on JPEGs of the case's
+side (448² for Qwen2-VL, 384² for SigLIP), images/s:
+  cpu prep      the exact PIL path's `prepare` on one thread (decode, resize, rescale, normalise, patchify)
+  dev decode    the device path's `prepare` on one thread (decode and RGB only)
+  dev xform     the device path's batched upload + resize + normalise + patchify (`_pixels`), device time
+  dev e2e       the device path's `encode` (upload, transforms, forward)
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -35,6 +43,7 @@ import torch  # noqa: E402
 
 from modalmesh import attention, pb  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
+from PIL import Image  # noqa: E402
 from modalmesh.weights import load_weights  # noqa: E402
 from services.vision_encoder.model import build_encoder_model  # noqa: E402
 
@@ -124,6 +133,37 @@ def timed(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def jpeg_items(batch: int, side: int, seed: int = 0) -> list[pb.EncodeItem]:
+    """Photo-like JPEGs (smooth colour fields: random pixels would make decoding unrealistically slow)."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for _ in range(batch):
+        coarse = Image.fromarray(rng.integers(0, 256, (side // 16 + 2, side // 16 + 2, 3), np.uint8))
+        buf = io.BytesIO()
+        coarse.resize((side, side), Image.Resampling.BICUBIC).save(buf, format="JPEG", quality=90)
+        items.append(pb.EncodeItem(data=buf.getvalue()))
+    return items
+
+
+def preprocess_rates(model_dir, case: Case, args, device, dtype, side: int) -> dict:
+    """img/s of the CPU path's prepare, the device path's prepare (decode) and its device transforms."""
+    items = jpeg_items(case.batch, side)
+    return {**_path_rates(model_dir, "cpu", items, args, device, dtype),
+            **_path_rates(model_dir, "device", items, args, device, dtype)}
+
+
+def _path_rates(model_dir, path: str, items, args, device, dtype) -> dict:
+    model = build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True, options={"preprocess_device": path})
+    t0 = time.perf_counter()
+    prepared = [model.prepare(item, i) for i, item in enumerate(items)]
+    rates = {f"{path}_prep": len(items) / (time.perf_counter() - t0)}
+    if path == "device":
+        with torch.inference_mode():
+            rates["dev_xform"] = len(items) / timed(lambda: model._pixels(prepared), args.iters, device) * 1e3
+            rates["dev_e2e"] = len(items) / timed(lambda: model.encode(prepared), max(3, args.iters // 2), device) * 1e3
+    return rates
+
+
 def run_case(case: Case, args, device, dtype) -> dict:
     cfg, proc = hf_config(case.family, args.quick)
     side = 56 if args.quick else case.image
@@ -134,7 +174,8 @@ def run_case(case: Case, args, device, dtype) -> dict:
         cfg.save_pretrained(tmp)
         (Path(tmp) / "preprocessor_config.json").write_text(json.dumps(proc))
         ours = build_encoder_model(tmp, device=device, dtype=dtype, dummy=True,
-                                   options={"siglip_output": "both"})  # HF computes patches and the pooled head
+                                   options={"siglip_output": "both", "preprocess_device": "cpu"})  # HF: both
+        rates = preprocess_rates(tmp, case, args, device, dtype, side)
     t0 = time.perf_counter()
     prepared = [ours.prepare(item, i) for i, item in enumerate(items)]
     prep_ms = (time.perf_counter() - t0) * 1e3
@@ -153,6 +194,7 @@ def run_case(case: Case, args, device, dtype) -> dict:
         row["ours_ms"] = timed(ours_fwd, args.iters, device)
         row["e2e_ms"] = timed(lambda: ours.encode(prepared), max(3, args.iters // 2), device)
     row["prep_img_s"] = case.batch / prep_ms * 1e3
+    row.update(rates)
     if not args.no_hf:
         for attn in args.hf_attn:
             try:
@@ -176,7 +218,6 @@ def run_case(case: Case, args, device, dtype) -> dict:
             del ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    del ours
     return row
 
 
@@ -207,7 +248,8 @@ def main(argv=None) -> int:
           f"median of {args.iters}{' (quick shapes)' if args.quick else ''}")
     header = (f"{'case':<16}{'batch':>6}{'tokens':>8}  {'backend':<14}{'ours img/s':>11}{'e2e img/s':>11}"
               + "".join(f"{'HF ' + a + ' img/s':>26}" for a in ([] if args.no_hf else args.hf_attn))
-              + f"{'x HF':>7}{'rel err':>10}{'prep img/s':>12}{'baseline':>10}")
+              + f"{'x HF':>7}{'rel err':>10}{'prep img/s':>12}{'baseline':>10}"
+              + f"{'cpu prep':>10}{'dev decode':>12}{'dev xform':>11}{'dev e2e':>9}")
     print(header)
     for case in cases:
         row = run_case(case, args, device, dtype)
@@ -218,7 +260,9 @@ def main(argv=None) -> int:
         print(f"{row['case']:<16}{row['batch']:>6}{row['tokens']:>8}  {row['backend']:<14}{ips(row['ours_ms']):>11}"
               f"{ips(row['e2e_ms']):>11}" + "".join(f"{ips(h):>26}" for h in hf)
               + f"{speedup:>7}{row.get('rel_err', float('nan')):>10.2e}{row['prep_img_s']:>12.1f}"
-              + f"{BASELINES.get(case.name, '-')!s:>10}", flush=True)
+              + f"{BASELINES.get(case.name, '-')!s:>10}"
+              + f"{row['cpu_prep']:>10.1f}{row['device_prep']:>12.1f}{row['dev_xform']:>11.1f}{row['dev_e2e']:>9.1f}",
+              flush=True)
     for choice in attention.attention_choices(selector):
         print(f"# attention {choice.component}: {choice.backend} ({choice.reason})")
     return 0

@@ -15,6 +15,7 @@ NAME = "vision_encoder"
 DESCRIPTION = "modalmesh vision encoder: EncoderService over a vision tower."
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
 SIGLIP_OUTPUTS = ("patch", "pooled", "both")  # SigLIP's rows: patch embeddings, the pooled one, or both
+PREPROCESS_DEVICES = ("auto", "cpu", "device")  # where resize / normalise / patchify run (device_preprocess.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--siglip-output", default="patch", choices=SIGLIP_OUTPUTS,
                         help="SigLIP rows: patch embeddings (after post_layernorm), the pooled embedding, "
                              "or both (patch rows, then the pooled row)")
+    parser.add_argument("--preprocess-device", default="auto", choices=PREPROCESS_DEVICES,
+                        help="where images are resized, normalised and patchified: cpu (exactly as HF's PIL "
+                             "processors), device (uint8 uploaded, torch on the encoder's device; within a "
+                             "stated tolerance of cpu), auto (device when the encoder runs on CUDA)")
 
 
 def parser() -> argparse.ArgumentParser:

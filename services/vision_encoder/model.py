@@ -4,11 +4,16 @@
     prepared = [model.prepare(item, i) for i, item in enumerate(request.items)]   # CPU, thread pool
     encoded = model.encode(prepared)                                              # one forward
 
-`prepare` decodes and preprocesses exactly like the checkpoint's HF image processor
-(preprocess.py) and computes the cache key; `encode` runs one forward over the
-whole batch - Qwen2-VL rows concatenated (never stacked, resolutions mix freely),
-SigLIP images stacked (fixed resolution) - and returns one `EncodedItem` per input
-whose rows are on the CPU in the serving dtype (one device->host copy per batch).
+`prepare` decodes and computes the cache key; on the CPU path (``preprocess_device``
+"cpu", the default without CUDA) it also preprocesses exactly like the checkpoint's HF
+image processor (preprocess.py); on the device path ("device", the default on CUDA) it
+keeps the decoded uint8 pixels and the target size, and `encode` resizes, normalises
+and patchifies them on the device (device_preprocess.py: close to, not equal to, the
+PIL path; the cache key says which path made the pixels). `encode` uploads the batch
+in one copy through reused pinned buffers, runs one forward over it - Qwen2-VL rows
+concatenated (never stacked, resolutions mix freely), SigLIP images stacked (fixed
+resolution) - and returns one `EncodedItem` per input whose rows stay on the model's
+device in the serving dtype (views of the batch output; the transport copies them off).
 
 Rows per item: Qwen2-VL / Qwen2.5-VL, the merged patches ``t*h*w / merge^2`` in the LLM's
 width (= the placeholder tokens the LLM reserves); SigLIP, by ``siglip_output``, the
@@ -30,6 +35,8 @@ from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.models import build_and_load, pick
+from modalmesh.staging import HostStaging
+from services.vision_encoder import device_preprocess as dp
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.decode_memory import (
     DEFAULT_DECODE_MEMORY,
@@ -49,6 +56,7 @@ DEFAULT_OPTIONS = {
     "decode_memory_bytes": DEFAULT_DECODE_MEMORY,  # estimated peaks of the decodes in flight, together
     "max_request_pixels": 0,  # per-item max_pixels may not exceed this (0: the checkpoint's max_pixels)
     "siglip_output": "patch",  # "patch" | "pooled" | "both"
+    "preprocess_device": "auto",  # "auto" (device on CUDA) | "cpu" (exact PIL path) | "device"
 }
 
 
@@ -88,11 +96,15 @@ class VisionEncoderModel(EncoderModel):
         limit = int(self.options["max_request_pixels"]) or (self.processor.max_pixels if self.native else 0)
         self.max_request_pixels = limit
         self.decode_budget = DecodeBudget(int(self.options["decode_memory_bytes"]))
+        self.preprocess = dp.preprocess_path(str(self.options["preprocess_device"]), self.device, self.processor)
+        self.staging = HostStaging(self.device)  # encode's uploads (one worker thread)
+        self.device_preprocessor = (dp.DevicePreprocessor(self.processor, self.device, self.staging)
+                                    if self.preprocess == "device" else None)
         if int(self.options["max_image_pixels"]) > (Image.MAX_IMAGE_PIXELS or 0):
             Image.MAX_IMAGE_PIXELS = int(self.options["max_image_pixels"])  # ours is checked before decoding
         self._key_base = hashlib.sha256(b"\0".join([
             self.architecture.encode(), self.processor.digest(), str(self.options["siglip_output"]).encode(),
-            str(dtype).encode(),
+            str(dtype).encode(), self.preprocess.encode(),  # the two paths' pixels differ slightly
         ])).digest()
 
     def _processor(self, cls) -> pp.ImageProcessorConfig:
@@ -134,6 +146,8 @@ class VisionEncoderModel(EncoderModel):
         # takes its estimated peak from the budget shared by every preparing thread first.
         with self.decode_budget.hold(peak_bytes(*header.decoded_size, header.mode), where):
             image = pp.to_rgb(pp.decode_image(item, index, max_image_pixels=max_pixels, reduce=header.reduce))
+            if self.device_preprocessor is not None:
+                return self._prepare_for_device(image, key, where, *((lo, hi) if self.native else ()))
             if self.native:
                 rows, grid = pp.qwen2_vl_pixels(image, self.processor, lo, hi, where)
                 del image
@@ -145,24 +159,43 @@ class VisionEncoderModel(EncoderModel):
         return PreparedItem(inputs={"pixel_values": torch.from_numpy(pixels)}, cost=self.tower.num_patches,
                             cache_key=key, meta={})
 
+    def _prepare_for_device(self, image: Image.Image, key: bytes, where: str, *budget: int) -> PreparedItem:
+        """The device path's item: the RGB pixels as uint8 and the size `encode` resizes them to."""
+        width, height = image.size
+        if self.native:
+            size = dp.qwen2_vl_size(height, width, self.processor, *budget, where)
+            grid = (1, size[0] // self.processor.patch_size, size[1] // self.processor.patch_size)
+            cost, meta = grid[0] * grid[1] * grid[2], {"grid_thw": grid}
+        else:
+            size = dp.fixed_size(height, width, self.processor, where)
+            cost, meta = self.tower.num_patches, {}
+        return PreparedItem(inputs={"image": dp.rgb_tensor(image)}, cost=cost, cache_key=key,
+                            meta={**meta, "size": size})
+
     @torch.inference_mode()
     def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
         if not batch:
             return []
+        pixels = self._pixels(batch)
         if self.native:
             grids = [tuple(it.meta["grid_thw"]) for it in batch]
-            pixels = self._to_device(torch.cat([it.inputs["pixel_values"] for it in batch]))
-            rows = self.tower(pixels, grids).to(self.dtype).cpu()
+            rows = self.tower(pixels, grids).to(self.dtype)
             sizes = [self.tower.merged_rows(g) for g in grids]
-            return [EncodedItem(embedding=r.clone(), grid_thw=g) for r, g in zip(rows.split(sizes), grids)]
-        pixels = self._to_device(torch.stack([it.inputs["pixel_values"] for it in batch]))
-        rows = self.tower(pixels).to(self.dtype).cpu()
-        return [EncodedItem(embedding=r.clone()) for r in rows.unbind(0)]
+            return [EncodedItem(embedding=r, grid_thw=g) for r, g in zip(rows.split(sizes), grids)]
+        rows = self.tower(pixels).to(self.dtype)
+        return [EncodedItem(embedding=r) for r in rows.unbind(0)]
 
-    def _to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
-        return pixels.to(self.device, self.dtype)
+    def _pixels(self, batch: list[PreparedItem]) -> torch.Tensor:
+        """The tower's input on the device, in the serving dtype; one host-to-device copy for the batch."""
+        pre = self.device_preprocessor
+        if pre is not None:
+            images = [it.inputs["image"] for it in batch]
+            pixels = (pre.qwen2_vl_rows(images, [it.meta["size"] for it in batch]) if self.native
+                      else pre.fixed_pixels(images))
+        else:
+            uploaded = self.staging.upload([it.inputs["pixel_values"] for it in batch])
+            pixels = torch.cat(uploaded) if self.native else torch.stack(uploaded)
+        return pixels.to(self.dtype)
 
     # ---- service helpers ------------------------------------------------------------------
     def warmup(self) -> None:
@@ -179,7 +212,8 @@ class VisionEncoderModel(EncoderModel):
     def describe(self) -> dict[str, str]:
         """Service-specific facts for Info.extra."""
         p = self.processor
-        facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"])}
+        facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"]),
+                 "preprocess": self.preprocess}
         if self.native:
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))

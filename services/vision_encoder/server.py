@@ -33,7 +33,8 @@ class VisionEncoderService(EncoderService):
                 "max_image_decoded_bytes": int(args.max_image_decoded_mb * MiB),
                 "decode_memory_bytes": int(args.decode_memory_mb * MiB),
                 "max_request_pixels": args.max_request_pixels,
-                "siglip_output": args.siglip_output}
+                "siglip_output": args.siglip_output,
+                "preprocess_device": args.preprocess_device}
 
     def build_model(self) -> VisionEncoderModel:
         model = build_encoder_model(
