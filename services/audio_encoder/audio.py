@@ -220,16 +220,19 @@ class Resampler:
         window = torch.special.i0(self.beta * arg) / torch.special.i0(torch.tensor(self.beta, dtype=torch.float64))
         return torch.where(t.abs() <= z, r * torch.sinc(t) * window, torch.zeros_like(t))
 
-    def _table(self, kind: str, o: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-        """`_host_table` on `device`, kept there: an upload per call would be a pageable copy that
-        waits for the device's queue (and the same few rates recur)."""
+    def _table(self, kind: str, o: int, n: int, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`_host_table` on `device` in `dtype`, kept there: an upload per call would be a pageable copy
+        that waits for the device's queue (and the same few rates recur)."""
         if device is None or device.type == "cpu":
-            return self._host_table(kind, o, n)
-        return self._device_table(kind, o, n, device)
+            table = self._host_table(kind, o, n)
+            return table if dtype is None else table.to(dtype)
+        return self._device_table(kind, o, n, device, dtype)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - a few rates recur; the instance is frozen and global
-    def _device_table(self, kind: str, o: int, n: int, device: torch.device) -> torch.Tensor:
-        return self._host_table(kind, o, n).to(device)
+    def _device_table(self, kind: str, o: int, n: int, device: torch.device, dtype: torch.dtype | None):
+        table = self._host_table(kind, o, n)
+        return table.to(device, dtype or table.dtype)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a few rates recur; the instance is frozen and global
     def _host_table(self, kind: str, o: int, n: int) -> torch.Tensor:
@@ -256,7 +259,7 @@ class Resampler:
     def _conv(self, x: torch.Tensor, o: int, n: int, r: float, width: int, out_len: int) -> torch.Tensor:
         # Output j = q*n + p sits at input time q*o + p*o/n. Block q reads inputs q*o - width ..
         # q*o + o + width - 1, so one (n, 2*width + o) table applied with stride o gives every phase.
-        table = self._table("conv", o, n, x.device).to(dtype=x.dtype).unsqueeze(1)  # (n, 1, K)
+        table = self._table("conv", o, n, x.device, x.dtype).unsqueeze(1)  # (n, 1, K)
         padded = torch.nn.functional.pad(x.unsqueeze(1), (width, width + o))
         y = torch.nn.functional.conv1d(padded, table, stride=o)  # (B, n, blocks)
         return y.transpose(1, 2).reshape(x.shape[0], -1)[:, :out_len]
@@ -266,8 +269,8 @@ class Resampler:
         # Output j sits at input time base + frac, base = j*o // n, frac = (j*o mod n) / n: it reads
         # inputs base - width + 1 .. base + width. Weights depend only on the phase j*o mod n: one
         # (n, 2*width) table when it fits, else interpolated between the two nearest rows of the fine table.
-        weights_of_phase = self._table("phase", o, n, x.device).to(dtype=x.dtype) if table else None
-        fine = None if table else self._table("fine", o, n, x.device).to(dtype=x.dtype)
+        weights_of_phase = self._table("phase", o, n, x.device, x.dtype) if table else None
+        fine = None if table else self._table("fine", o, n, x.device, x.dtype)
         phases = self._phases(width)
         padded = torch.nn.functional.pad(x, (width, width + 1))
         windows = [row.unfold(0, 2 * width, 1) for row in padded]  # (positions, 2*width) views
