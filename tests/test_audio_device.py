@@ -33,8 +33,9 @@ def synth(seconds: float, rate: int, *, seed: int = 0, channels: int = 1) -> np.
     n = int(round(seconds * rate))
     t = np.arange(n) / rate
     rng = np.random.default_rng(seed)
-    rows = [0.4 * np.sin(2 * np.pi * (220 + 90 * c + 40 * seed) * t) + 0.3 * np.sin(2 * np.pi * (80 * t + 700 * t**2 / 2))
-            + 0.05 * rng.standard_normal(n) for c in range(channels)]
+    chirp = 0.3 * np.sin(2 * np.pi * (80 * t + 700 * t**2 / 2))
+    rows = [0.4 * np.sin(2 * np.pi * (220 + 90 * c + 40 * seed) * t) + chirp + 0.05 * rng.standard_normal(n)
+            for c in range(channels)]
     return np.stack(rows).astype(np.float32) if channels > 1 else rows[0].astype(np.float32)
 
 
