@@ -3,6 +3,7 @@
     python bench/audio.py                   # whisper-large-v3 encoder shape, bf16, 30 s clips, batch 1 and 16
     python bench/audio.py --dummy-weights   # ours with dummy weights (no parity check)
     python bench/audio.py --quick           # tiny shape; also runs on CPU (checks the script, not speed)
+    python bench/audio.py --batch 1 --profile   # batch 1, ours vs HF: wall, GPU-busy, top kernels
 
 Both models are built in code (no downloads): HF's `WhisperEncoder` from a
 `WhisperConfig` (d_model 1280, 32 layers, 20 heads, ffn 5120, 128 mel bins),
@@ -14,9 +15,19 @@ the checkpoint loader (q/k/v -> qkv_proj etc.) and the outputs are compared
 
 Timed with CUDA events after warm-up: the encoder forward on (B, 128, 3000)
 log-mel features, ours vs HF, at each batch size; then ours through
-`encode()` (the service path: host->device mel copy, row selection,
-device->host rows) and the CPU preprocessing (`prepare`: resample + log-mel)
-of one 30 s clip. The limit is the forward's FLOPs at the GPU's dense bf16 peak.
+`encode()` (the service path: one staged upload, features on the device or
+the CPU's mel, forward, row selection; rows stay on the device), and the
+preprocessing of one 30 s clip at 16 kHz and 44.1 kHz on each path: the CPU
+path's `prepare` (decode, resample, log-mel on one thread) against the device
+path's `prepare` (decode, checks) plus its share of the batch's resample +
+log-mel on the device. The limit is the forward's FLOPs at the GPU's dense bf16 peak.
+
+`--profile` (batch 1, the issue-18 question "why is ours slower than HF at batch
+1"): for ours with the selected attention, ours with each other dense backend
+that runs here, and HF: wall ms per call (synchronised each call), busy ms
+(summed kernel time from torch.profiler; CPU op time on a CPU), kernels per
+call and the top 10 kernels. Wall well above busy means launch-bound (host
+overhead); busy above HF's means slower kernels: the table says which.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import torch  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
 from modalmesh.weights import load_weights  # noqa: E402
-from services.audio_encoder.model import build_encoder_model  # noqa: E402
+from services.audio_encoder.model import AudioEncoderModel, AudioOptions, build_encoder_model  # noqa: E402
 
 LARGE_V3 = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120, num_mel_bins=128,
                 max_source_positions=1500, decoder_layers=2, decoder_attention_heads=20, decoder_ffn_dim=5120,
@@ -107,6 +118,99 @@ def clip_30s(rate: int = 16000) -> torch.Tensor:
     return (x + 0.01 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)).float()
 
 
+def preprocessing(ours: AudioEncoderModel, device: torch.device, batch: int, iters: int) -> dict:
+    """ms per 30 s clip on each path, at 16 kHz and 44.1 kHz input."""
+    out = {}
+    paths = {where: AudioEncoderModel(ours.module, ours.features, device=device, dtype=ours.dtype,
+                                      options=AudioOptions(preprocess_device=where, warmup=False))
+             for where in ("cpu", "device")}
+    dev = paths["device"]
+    for rate in (16000, 44100):
+        item = pb.EncodeItem(pcm=to_proto(clip_30s(rate)), sample_rate=rate)
+        cpu_ms = time_ms(lambda: paths["cpu"].prepare(item, 0), torch.device("cpu"), iters, 1)
+        prep_ms = time_ms(lambda: dev.prepare(item, 0), torch.device("cpu"), iters, 1)
+        prepared = [dev.prepare(item, i) for i in range(batch)]
+        with torch.inference_mode():
+            waves = dev.staging.upload([p.inputs["wave"] for p in prepared])
+            rates = [rate] * batch
+            device_ms = time_ms(lambda: dev.device_features(waves, rates), device, iters, 2) / batch
+        out[rate] = {"cpu_path_ms": cpu_ms, "device_path_prepare_ms": prep_ms, "device_path_device_ms": device_ms}
+        print(f"preprocessing, 30 s clip at {rate} Hz: CPU path {cpu_ms:.2f} ms (one thread) | device path: "
+              f"prepare {prep_ms:.2f} ms (one thread) + resample/log-mel {device_ms:.3f} ms on {device.type} "
+              f"(batch {batch}, per clip)")
+    return out
+
+
+def profile_batch1(models: dict, x: torch.Tensor, device: torch.device, iters: int) -> dict:
+    """Per model: wall ms per call (synchronised), busy ms per call (kernel time; CPU op time on a CPU),
+    kernels per call, top 10 kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out = {}
+    with torch.inference_mode():
+        for name, fn in models.items():
+            for _ in range(3):
+                fn(x)
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn(x)
+                sync(device)
+            wall = (time.perf_counter() - t0) * 1e3 / iters
+            with profile(activities=activities) as prof:
+                for _ in range(iters):
+                    fn(x)
+                sync(device)
+            if cuda:
+                kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+                self_us = lambda e: e.self_device_time_total  # noqa: E731
+            else:  # leaf CPU ops stand for kernels
+                kernels = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
+                self_us = lambda e: e.self_cpu_time_total  # noqa: E731
+            busy = sum(self_us(e) for e in kernels) / 1e3 / iters
+            count = sum(e.count for e in kernels) / iters
+            top = sorted(kernels, key=self_us, reverse=True)[:10]
+            out[name] = {"wall_ms": wall, "busy_ms": busy, "kernels_per_call": count,
+                         "top": [(e.key, self_us(e) / 1e3 / iters, e.count / iters) for e in top]}
+    print(f"\nprofile at batch 1 ({'CUDA kernel' if cuda else 'CPU op'} time, per call):")
+    print(f"{'model':<28} {'wall ms':>8} {'busy ms':>8} {'idle ms':>8} {'kernels':>8}")
+    for name, r in out.items():
+        print(f"{name:<28} {r['wall_ms']:>8.2f} {r['busy_ms']:>8.2f} {r['wall_ms'] - r['busy_ms']:>8.2f} "
+              f"{r['kernels_per_call']:>8.0f}")
+    for name, r in out.items():
+        print(f"top kernels, {name}:")
+        for key, ms, n in r["top"]:
+            print(f"  {ms:8.3f} ms  x{n:<5.0f} {key[:110]}")
+    return out
+
+
+def profiled_models(root: Path, ours, hf, device: torch.device, dtype: torch.dtype, spec: str | None) -> dict:
+    """Ours as selected, ours with each other dense backend that runs here (same weights), and HF."""
+    from modalmesh import attention
+    from modalmesh.errors import ConfigError
+
+    selected = ours.module.encoder.layers[0].self_attn.attn.selection.backend
+    models = {f"ours ({selected})": ours.module}
+    state = ours.module.state_dict()
+    for backend in ("fa3", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"):
+        if backend == selected:
+            continue
+        try:
+            attention.configure(f"audio_encoder={backend}", device=device)
+            alt = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options={"warmup": False})
+        except (ConfigError, ValueError, RuntimeError) as exc:
+            print(f"profile: ours with {backend}: not run here ({str(exc).splitlines()[0][:120]})")
+            continue
+        alt.module.load_state_dict(state)
+        models[f"ours ({backend})"] = alt.module
+    attention.configure(spec, device=device)  # back to the run's own selection
+    if hf is not None:
+        models[f"HF ({hf.config._attn_implementation})"] = lambda x: hf(x).last_hidden_state
+    return models
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shape (any device)")
@@ -120,6 +224,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU (H200 bf16: 989)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="batch 1: wall vs busy ms and top kernels, ours (each dense backend) vs HF")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -175,16 +281,22 @@ def main(argv=None) -> int:
         print(f"{batch:>5} {ours_ms:>9.2f} {row['ours_clips_s']:>12.1f} {hf_ms:>9.2f} {row['hf_clips_s']:>10.1f} "
               f"{hf_ms / ours_ms:>6.2f}x")
 
-    clip = clip_30s()
-    item = pb.EncodeItem(pcm=to_proto(clip), sample_rate=16000)
-    prep_ms = time_ms(lambda: ours.prepare(item, 0), torch.device("cpu"), max(1, args.iters // 4), 1)
     big = max(args.batch)
-    prepared = [ours.prepare(item, i) for i in range(big)]
-    encode_ms = time_ms(lambda: ours.encode(prepared), device, max(1, args.iters // 2), 1)
-    results.update(prepare_ms_per_clip=prep_ms, encode_ms=encode_ms, encode_batch=big)
-    print(f"ours encode() (mel host->device, forward, rows device->host) at batch {big}: {encode_ms:.2f} ms = "
-          f"{big * 1e3 / encode_ms:.1f} clips/s")
-    print(f"CPU prepare (log-mel of a 30 s 16 kHz clip, one thread of the pool): {prep_ms:.1f} ms/clip")
+    for where in ("cpu", "device"):
+        model = AudioEncoderModel(ours.module, ours.features, device=device, dtype=dtype,
+                                  options=AudioOptions(preprocess_device=where, warmup=False))
+        item = pb.EncodeItem(pcm=to_proto(clip_30s(44100)), sample_rate=44100)
+        prepared = [model.prepare(item, i) for i in range(big)]
+        encode_ms = time_ms(lambda: model.encode(prepared), device, max(1, args.iters // 2), 2)
+        results[f"encode_ms_{where}_features"] = encode_ms
+        print(f"ours encode() at batch {big}, 30 s 44.1 kHz clips, features from the {where} path "
+              f"(staged upload, {'resample + log-mel, ' if where == 'device' else ''}forward, rows stay on "
+              f"{device.type}): {encode_ms:.2f} ms = {big * 1e3 / encode_ms:.1f} clips/s")
+    results["encode_batch"] = big
+    results["preprocessing"] = preprocessing(ours, device, big, max(1, args.iters // 4))
+    if args.profile:
+        models = profiled_models(root, ours, hf, device, dtype, args.attention_backend)
+        results["profile"] = profile_batch1(models, mels[:1], device, max(3, args.iters // 2))
 
     flops = flops_per_clip(shape)
     limit = args.peak_tflops * 1e12 / flops

@@ -278,6 +278,6 @@ def test_bf16_on_cuda_is_as_close_to_fp32_as_the_reference_in_bf16(name, whisper
             theirs.append(captured["e"][0][inputs["input_ids"][0].cuda() == ref.config.audio_token_id])
     for e, o, t in zip(exact, ours, theirs):
         assert o.embedding.dtype == torch.bfloat16 and o.embedding.shape == e.embedding.shape
-        our_err = (o.embedding.float() - e.embedding).abs().max().item()
+        our_err = (o.embedding.float().cpu() - e.embedding).abs().max().item()
         their_err = (t.float().cpu() - e.embedding).abs().max().item()
         assert our_err <= 2 * their_err + 2e-2 * e.embedding.abs().max().item()

@@ -158,6 +158,15 @@ class Resampler:
     def signature(self) -> str:
         return f"kaiser-sinc(z={self.zero_crossings},rolloff={self.rolloff!r},beta={self.beta!r})"
 
+    @staticmethod
+    def output_length(length: int, orig: int, new: int) -> int:
+        """Samples out for `length` samples in: ceil(length * new / orig), known before any work
+        (prepare counts rows from it while the resampling itself runs later, on the device)."""
+        if orig == new:
+            return length
+        g = math.gcd(orig, new)
+        return -(-length * (new // g) // (orig // g))
+
     def work(self, length: int, orig: int, new: int, channels: int = 1) -> int:
         """Multiply-adds of resampling `channels` rows of `length` samples from `orig` to `new` Hz."""
         if orig == new:
@@ -166,6 +175,14 @@ class Resampler:
         o, n = orig // g, new // g
         width = math.ceil(self.zero_crossings / (self.rolloff * min(o, n) / o))
         return channels * -(-length * n // o) * 2 * width
+
+    def check(self, length: int, orig: int, new: int, channels: int = 1) -> None:
+        """Raise ResampleTooCostly when `work` exceeds `max_work`: callable where the samples are
+        decoded (prepare), before the resampling itself runs elsewhere (the device path)."""
+        work = self.work(length, orig, new, channels)
+        if work > self.max_work:
+            raise ResampleTooCostly(f"resampling {length} samples from {orig} to {new} Hz would take {work:.3g} "
+                                    f"multiply-adds; the limit is {self.max_work:.3g}")
 
     def __call__(self, x: torch.Tensor, orig: int, new: int, *, path: str | None = None) -> torch.Tensor:
         """Resample the last dim of `x` from `orig` to `new` Hz; output length ceil(N * new / orig).
@@ -178,14 +195,11 @@ class Resampler:
         g = math.gcd(orig, new)
         o, n = orig // g, new // g
         length = x.shape[-1]
-        out_len = -(-length * n // o)
+        out_len = self.output_length(length, orig, new)
         r = self.rolloff * min(o, n) / o  # cutoff relative to the input Nyquist frequency
         width = math.ceil(self.zero_crossings / r)  # filter half-length, in input samples
         flat = x.reshape(-1, length)
-        work = flat.shape[0] * out_len * 2 * width
-        if work > self.max_work:
-            raise ResampleTooCostly(f"resampling {length} samples from {orig} to {new} Hz would take {work:.3g} "
-                                    f"multiply-adds; the limit is {self.max_work:.3g}")
+        self.check(length, orig, new, flat.shape[0])
         if path is None:
             # conv1d spends 2*width + o multiply-adds per output (fast ones), the tables 2*width.
             conv_ok = n * (2 * width + o) <= self.max_table and o <= 8 * 2 * width
@@ -206,8 +220,22 @@ class Resampler:
         window = torch.special.i0(self.beta * arg) / torch.special.i0(torch.tensor(self.beta, dtype=torch.float64))
         return torch.where(t.abs() <= z, r * torch.sinc(t) * window, torch.zeros_like(t))
 
+    def _table(self, kind: str, o: int, n: int, device: torch.device | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`_host_table` on `device` in `dtype`, kept there: an upload per call would be a pageable copy
+        that waits for the device's queue (and the same few rates recur)."""
+        if device is None or device.type == "cpu":
+            table = self._host_table(kind, o, n)
+            return table if dtype is None else table.to(dtype)
+        return self._device_table(kind, o, n, device, dtype)
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - a few rates recur; the instance is frozen and global
+    def _device_table(self, kind: str, o: int, n: int, device: torch.device, dtype: torch.dtype | None):
+        table = self._host_table(kind, o, n)
+        return table.to(device, dtype or table.dtype)
+
     @functools.lru_cache(maxsize=8)  # noqa: B019 - a few rates recur; the instance is frozen and global
-    def _table(self, kind: str, o: int, n: int) -> torch.Tensor:
+    def _host_table(self, kind: str, o: int, n: int) -> torch.Tensor:
         """Filter tables: "conv" (n, 2*width + o) taps aligned on blocks of o inputs, "phase" (n, 2*width)
         taps around floor(output instant) for each of the n phases (float32), or "fine" (P + 1, 2*width)
         taps for P evenly spaced phases and the end point (float64; its size depends on the filter only)."""
@@ -231,7 +259,7 @@ class Resampler:
     def _conv(self, x: torch.Tensor, o: int, n: int, r: float, width: int, out_len: int) -> torch.Tensor:
         # Output j = q*n + p sits at input time q*o + p*o/n. Block q reads inputs q*o - width ..
         # q*o + o + width - 1, so one (n, 2*width + o) table applied with stride o gives every phase.
-        table = self._table("conv", o, n).to(device=x.device, dtype=x.dtype).unsqueeze(1)  # (n, 1, K)
+        table = self._table("conv", o, n, x.device, x.dtype).unsqueeze(1)  # (n, 1, K)
         padded = torch.nn.functional.pad(x.unsqueeze(1), (width, width + o))
         y = torch.nn.functional.conv1d(padded, table, stride=o)  # (B, n, blocks)
         return y.transpose(1, 2).reshape(x.shape[0], -1)[:, :out_len]
@@ -241,26 +269,26 @@ class Resampler:
         # Output j sits at input time base + frac, base = j*o // n, frac = (j*o mod n) / n: it reads
         # inputs base - width + 1 .. base + width. Weights depend only on the phase j*o mod n: one
         # (n, 2*width) table when it fits, else interpolated between the two nearest rows of the fine table.
-        weights_of_phase = self._table("phase", o, n).to(device=x.device, dtype=x.dtype) if table else None
-        fine = None if table else self._table("fine", o, n).to(device=x.device, dtype=x.dtype)
+        weights_of_phase = self._table("phase", o, n, x.device, x.dtype) if table else None
+        fine = None if table else self._table("fine", o, n, x.device, x.dtype)
         phases = self._phases(width)
         padded = torch.nn.functional.pad(x, (width, width + 1))
         windows = [row.unfold(0, 2 * width, 1) for row in padded]  # (positions, 2*width) views
         out = x.new_empty(x.shape[0], out_len)
         chunk = max(1, self.chunk_elems // (2 * width))
         for start in range(0, out_len, chunk):
-            j = torch.arange(start, min(out_len, start + chunk), dtype=torch.int64)
+            # Indices made where the samples are: no host-to-device copy (and wait) per chunk.
+            j = torch.arange(start, min(out_len, start + chunk), dtype=torch.int64, device=x.device)
             base, phase = j * o // n, j * o % n
             if weights_of_phase is not None:
-                weights = weights_of_phase.index_select(0, phase.to(x.device))
+                weights = weights_of_phase.index_select(0, phase)
             else:
                 at = phase.to(torch.float64) * phases / n
                 lo = at.floor().long().clamp(max=phases - 1)
-                frac = (at - lo).to(device=x.device, dtype=x.dtype)[:, None]
-                lo = lo.to(x.device)
+                frac = (at - lo).to(dtype=x.dtype)[:, None]
                 weights = torch.lerp(fine.index_select(0, lo), fine.index_select(0, lo + 1), frac)
             # Window starting at padded index base + 1 holds inputs base - width + 1 .. base + width.
-            starts = (base + 1).to(x.device)
+            starts = base + 1
             for b, win in enumerate(windows):
                 rows = win.index_select(0, starts)  # (chunk, 2*width)
                 out[b, start:start + len(j)] = (rows.unsqueeze(1) @ weights.unsqueeze(2)).view(-1)

@@ -145,6 +145,14 @@ class LogMel:
 
     def __call__(self, audio: torch.Tensor) -> WindowFeatures:
         """`audio`: (N,) mono at `cfg.sampling_rate`."""
+        samples = int(audio.shape[-1])
+        return WindowFeatures(self.log_mel(self.windows(audio)), self.valid_frames(samples), samples)
+
+    def windows(self, audio: torch.Tensor) -> torch.Tensor:
+        """(N,) -> (windows, n_samples) on this device, the last window padded with `padding_value`.
+
+        Split from `log_mel` so the device path can stack several clips' windows into one STFT:
+        every step of `log_mel` is per window (the floor is each window's own maximum)."""
         cfg = self.cfg
         samples = int(audio.shape[-1])
         windows = self.num_windows(samples)
@@ -152,11 +160,14 @@ class LogMel:
         pad = windows * cfg.n_samples - samples
         if pad:
             wave = torch.nn.functional.pad(wave, (0, pad), value=cfg.padding_value)
-        wave = wave.view(windows, cfg.n_samples)
+        return wave.view(windows, cfg.n_samples)
+
+    def log_mel(self, wave: torch.Tensor) -> torch.Tensor:
+        """(W, n_samples) windows -> (W, n_mels, nb_max_frames) float32 log-mel features."""
+        cfg = self.cfg
         stft = torch.stft(wave, cfg.n_fft, cfg.hop_length, window=self.window, return_complex=True)
         power = (stft[..., :-1].abs() ** 2).contiguous()  # (W, n_freqs, frames)
         mel = self.filters_t @ power  # (W, n_mels, frames)
         log = torch.clamp(mel, min=1e-10).log10()
         peak = log.amax(dim=(1, 2), keepdim=True)
-        log = (torch.maximum(log, peak - 8.0) + 4.0) / 4.0
-        return WindowFeatures(log, self.valid_frames(samples), samples)
+        return (torch.maximum(log, peak - 8.0) + 4.0) / 4.0

@@ -14,6 +14,7 @@ NAME = "audio_encoder"
 DESCRIPTION = "modalmesh audio encoder: EncoderService over an audio tower (Whisper, Qwen2-Audio)."
 DEFAULT_MAX_AUDIO_SECONDS = 600.0
 WHISPER_ROWS = ("valid", "full")
+PREPROCESS_DEVICES = ("auto", "cpu", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest clip accepted (longer: INVALID_ARGUMENT)")
     parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,
                         help="Whisper: rows covering the valid audio of each 30 s window, or all 1500")
+    parser.add_argument("--preprocess-device", default="auto", choices=PREPROCESS_DEVICES,
+                        help="where resampling and log-mel run: the CPU pool (exact to HF's feature extractor), "
+                             "the encoder's device, or auto (the device on CUDA, else the CPU)")
 
 
 def parser() -> argparse.ArgumentParser:

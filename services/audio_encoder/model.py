@@ -1,8 +1,15 @@
 """The audio encoder model behind EncoderService: Whisper encoder or Qwen2-Audio tower + projector.
 
     model = build_encoder_model(dir, device="cuda", dtype=torch.bfloat16, options={"max_audio_seconds": 600})
-    prepared = model.prepare(pb.EncodeItem(data=wav_bytes), 0)       # CPU: decode, resample, log-mel
+    prepared = model.prepare(pb.EncodeItem(data=wav_bytes), 0)       # CPU: decode, downmix, checks, rows
     [encoded] = model.encode([prepared])                             # one forward for the whole batch
+    encoded.embedding                                                # on the model's device (a view)
+
+Where resampling and log-mel run (`preprocess_device`, the `--preprocess-device` flag):
+"cpu" in `prepare` (the thread pool; exact to HF's WhisperFeatureExtractor), "device" in
+`encode` (device_features.py: one upload of the batch's mono waves at their own rates),
+"auto" = the device on CUDA. Either way `prepare` checks every limit and counts the rows,
+so errors name their item and batching knows each cost before the device sees anything.
 
 Rows returned per item (= the LLM's placeholder tokens):
 
@@ -30,6 +37,7 @@ import hashlib
 import logging
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -40,6 +48,7 @@ from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.models import build_and_load, pick
 from modalmesh.rpc.codec import from_proto
 from modalmesh.weights import LoadReport
+from modalmesh.staging import HostStaging
 from services.audio_encoder.audio import (
     DEFAULT_RESAMPLER,
     Resampler,
@@ -48,6 +57,7 @@ from services.audio_encoder.audio import (
     downmix,
     pcm_audio,
 )
+from services.audio_encoder.device_features import DeviceFeatures
 from services.audio_encoder.features import FeatureConfig, LogMel
 from services.audio_encoder.models import (
     ARCHITECTURES,
@@ -57,24 +67,34 @@ from services.audio_encoder.models import (
     WhisperAudioEncoder,
 )
 from services.audio_encoder.models.qwen2_audio import output_rows
-from services.audio_encoder.models.whisper import conv_output_lengths
+from services.audio_encoder.models.whisper import PackedIndex, conv_output_lengths
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 log = logging.getLogger(__name__)
 
-from services.audio_encoder.flags import DEFAULT_MAX_AUDIO_SECONDS, WHISPER_ROWS  # noqa: E402 - flag defaults
+from services.audio_encoder.flags import (  # noqa: E402 - flag defaults
+    DEFAULT_MAX_AUDIO_SECONDS,
+    PREPROCESS_DEVICES,
+    WHISPER_ROWS,
+)
 
 
 @dataclass(frozen=True)
 class AudioOptions:
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
     whisper_rows: str = "valid"
+    preprocess_device: str = "auto"  # where resampling + log-mel run: "cpu", "device", or auto (device on CUDA)
     warmup: bool = True
+
+    def preprocess_on_device(self, device: torch.device) -> bool:
+        if self.preprocess_device == "auto":
+            return device.type == "cuda"
+        return self.preprocess_device == "device"
 
     @classmethod
     def from_dict(cls, options: dict | None) -> AudioOptions:
         options = dict(options or {})
-        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "warmup"}
+        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup"}
         if unknown:
             raise ConfigError(f"unknown audio encoder options: {', '.join(sorted(unknown))}")
         out = cls(**{k: v for k, v in options.items() if v is not None})
@@ -82,6 +102,9 @@ class AudioOptions:
             raise ConfigError(f"max_audio_seconds must be > 0, got {out.max_audio_seconds}")
         if out.whisper_rows not in WHISPER_ROWS:
             raise ConfigError(f"whisper_rows {out.whisper_rows!r}: expected one of {', '.join(WHISPER_ROWS)}")
+        if out.preprocess_device not in PREPROCESS_DEVICES:
+            raise ConfigError(f"preprocess_device {out.preprocess_device!r}: expected one of "
+                              f"{', '.join(PREPROCESS_DEVICES)}")
         return out
 
 
@@ -101,16 +124,22 @@ class AudioEncoderModel(EncoderModel):
         self.dtype = dtype
         self.options = options or AudioOptions()
         self.features = features
-        self.logmel = LogMel(features)
+        self.logmel = LogMel(features)  # the CPU path's, and the row arithmetic of both paths
         self.resampler = resampler
+        self.on_device = self.options.preprocess_on_device(self.device)
+        # Built once: its filters, window and resampling tables stay on the device.
+        self.device_features = DeviceFeatures(features, resampler, self.device) if self.on_device else None
+        self.staging = HostStaging(self.device)
         self.load_report = load_report
         self.opened_files: list[Path] = load_report.opened_files if load_report is not None else []
         if features.nb_max_frames != self.dims.window_frames:
             raise ConfigError(f"the feature extractor makes {features.nb_max_frames} frames per window; "
                               f"the encoder takes {self.dims.window_frames}")
         rows = "qwen2-audio" if self.packed else f"whisper-{self.options.whisper_rows}"
-        # Everything besides the input that changes the output rows.
-        self.signature = f"{features.signature()}|{resampler.signature()}|{rows}".encode()
+        # Everything besides the input that changes the output rows: the device path's features differ
+        # from the CPU path's by float rounding on CUDA, so which path made them is part of it.
+        self.preprocess = f"device:{self.device.type}" if self.on_device else "cpu"
+        self.signature = f"{features.signature()}|{resampler.signature()}|{rows}|pre={self.preprocess}".encode()
 
     # ---- per item, CPU ----------------------------------------------------------------------
     def cache_key(self, item: pb.EncodeItem, index: int) -> bytes | None:
@@ -129,7 +158,43 @@ class AudioEncoderModel(EncoderModel):
         return digest.digest()
 
     def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+        """Decode, downmix and check everything (limits, resampling cost, rows) on the CPU; then either
+        resample + log-mel here (CPU path) or keep the mono wave at its own rate for `encode` (device path)."""
         what = f"items[{index}]"
+        wave, rate = self._decode(item, what)
+        mono = downmix(wave)
+        target = self.features.sampling_rate
+        try:
+            self.resampler.check(mono.shape[-1], rate, target)
+        except ResampleTooCostly as exc:
+            raise InvalidArgument(f"{what}: {exc}") from None
+        samples = self.resampler.output_length(mono.shape[-1], rate, target)
+        frames = torch.tensor(self.logmel.valid_frames(samples), dtype=torch.int64)
+        positions = conv_output_lengths(frames)
+        rows = self._rows(frames, positions)
+        if int(rows.sum()) == 0:
+            raise InvalidArgument(f"{what}: audio of {samples} samples at {target} Hz "
+                                  "is too short to give any embedding row")
+        windows = len(frames)
+        # Qwen2-Audio: positions < P read mel frames < 2P + 1 only; what lies past them (other frames,
+        # or the zeros a batch pads with) never reaches a valid position, so only `width` frames run.
+        width = min(self.dims.window_frames, int(2 * positions.max() + 1)) if self.packed else self.dims.window_frames
+        inputs = {"frames": frames, "positions": positions, "rows": rows}
+        if self.on_device:
+            inputs["wave"] = mono.contiguous()
+        else:
+            mel = self.logmel(self.resampler(mono, rate, target)).mel
+            inputs["mel"] = mel[..., :width].contiguous() if self.packed else mel
+        if not self.packed:
+            # This clip's rows of its windows' (windows * 1500) outputs; encode shifts them by the windows before it.
+            S = self.dims.max_source_positions
+            inputs["keep"] = torch.cat([w * S + torch.arange(n) for w, n in enumerate(rows.tolist())])
+        cost = int(2 * positions.sum()) if self.packed else windows * self.dims.window_frames
+        return PreparedItem(inputs=inputs, cost=cost, cache_key=self.cache_key(item, index),
+                            meta={"valid_length": int(frames.sum()), "windows": windows, "rate": rate,
+                                  "width": width, "rows": int(rows.sum())})
+
+    def _decode(self, item: pb.EncodeItem, what: str) -> tuple[torch.Tensor, int]:
         max_s = self.options.max_audio_seconds
         source = item.WhichOneof("source")
         if source == "data":
@@ -137,36 +202,14 @@ class AudioEncoderModel(EncoderModel):
             if item.sample_rate and item.sample_rate != rate:
                 raise InvalidArgument(f"{what}: sample_rate {item.sample_rate} contradicts the file's {rate} Hz "
                                       "(leave it 0 for encoded files)")
-        elif source == "pcm":
+            return wave, rate
+        if source == "pcm":
             pcm = from_proto(item.pcm, name=f"{what}.pcm")
-            wave, rate = pcm_audio(pcm, item.sample_rate, what=what, max_seconds=max_s)
-        elif source == "pixels":
+            return pcm_audio(pcm, item.sample_rate, what=what, max_seconds=max_s)
+        if source == "pixels":
             raise InvalidArgument(f"{what}: pixels are an image; the audio encoder takes data (WAV, FLAC, OGG) "
                                   "or pcm samples")
-        else:
-            raise InvalidArgument(f"{what}: no audio: set data (WAV, FLAC, OGG bytes) or pcm with sample_rate")
-        try:
-            mono = self.resampler(downmix(wave), rate, self.features.sampling_rate)
-        except ResampleTooCostly as exc:
-            raise InvalidArgument(f"{what}: {exc}") from None
-        feats = self.logmel(mono)
-        frames = torch.tensor(feats.frames, dtype=torch.int64)
-        positions = conv_output_lengths(frames)
-        rows = self._rows(frames, positions)
-        if int(rows.sum()) == 0:
-            raise InvalidArgument(f"{what}: audio of {mono.shape[-1]} samples at {self.features.sampling_rate} Hz "
-                                  "is too short to give any embedding row")
-        mel = feats.mel
-        if self.packed:
-            # Positions < P read mel frames < 2P + 1 only; what lies past them (other frames, or the
-            # zeros a batch pads with) never reaches a valid position.
-            mel = mel[..., : min(self.dims.window_frames, int(2 * positions.max() + 1))].contiguous()
-            cost = int(2 * positions.sum())
-        else:
-            cost = mel.shape[0] * self.dims.window_frames
-        inputs = {"mel": mel, "frames": frames, "positions": positions, "rows": rows}
-        return PreparedItem(inputs=inputs, cost=cost, cache_key=self.cache_key(item, index),
-                            meta={"valid_length": int(frames.sum()), "windows": mel.shape[0]})
+        raise InvalidArgument(f"{what}: no audio: set data (WAV, FLAC, OGG bytes) or pcm with sample_rate")
 
     def _rows(self, frames: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -177,23 +220,35 @@ class AudioEncoderModel(EncoderModel):
 
     # ---- per batch, on the device -----------------------------------------------------------
     def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
+        """One upload (HostStaging) of the batch's waves or mel plus its row index, features on the
+        device when `on_device`, one forward; the answers are views of one output on the device."""
         with torch.inference_mode():
-            windows = [p.inputs["mel"] for p in batch]
-            width = max(m.shape[-1] for m in windows)
-            mel = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for m in windows])
-            mel = mel.to(self.device, self.dtype, non_blocking=True)
-            rows = torch.cat([p.inputs["rows"] for p in batch])
+            width = max(p.meta["width"] for p in batch)
             if self.packed:
-                out = self.module(mel, torch.cat([p.inputs["positions"] for p in batch]).tolist())
+                index = PackedIndex.build(torch.cat([p.inputs["positions"] for p in batch]).tolist(),
+                                          conv_output_lengths(width), self.module.pool)
+                extra = index.tensors()
+            else:
+                starts = [0, *accumulate(p.meta["windows"] for p in batch)][:-1]
+                S = self.dims.max_source_positions
+                keep = torch.cat([p.inputs["keep"] + w * S for p, w in zip(batch, starts)])
+                extra = [keep]
+            key = "wave" if self.on_device else "mel"
+            uploaded = self.staging.upload([*(p.inputs[key] for p in batch), *extra])
+            inputs, extra = uploaded[:len(batch)], uploaded[len(batch):]
+            if self.on_device:
+                mel = self.device_features(inputs, [p.meta["rate"] for p in batch])[..., :width]
+            else:
+                mel = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for m in inputs])
+            mel = mel.to(self.dtype)
+            if self.packed:
+                out = self.module(mel, index=index.with_tensors(extra))
             else:
                 hidden = self.module(mel)  # (windows, 1500, d)
-                S = hidden.shape[1]
-                keep = torch.cat([w * S + torch.arange(n) for w, n in enumerate(rows.tolist())])
-                out = hidden.flatten(0, 1).index_select(0, keep.to(hidden.device))
-            out = out.to("cpu")  # one device->host copy for the whole batch
-        per_item = [int(p.inputs["rows"].sum()) for p in batch]
-        return [EncodedItem(embedding=e, valid_length=int(p.inputs["frames"].sum()))
-                for e, p in zip(out.split(per_item), batch)]
+                out = hidden.flatten(0, 1).index_select(0, extra[0])
+        # Views of one tensor on the device: the transport takes them from there (no per-item copies).
+        return [EncodedItem(embedding=e, valid_length=p.meta["valid_length"])
+                for e, p in zip(out.split([p.meta["rows"] for p in batch]), batch)]
 
     def describe(self) -> dict[str, str]:
         """Service-specific facts for Info.extra."""
@@ -201,14 +256,16 @@ class AudioEncoderModel(EncoderModel):
         rows = "qwen2_audio" if self.packed else f"whisper_{self.options.whisper_rows}"
         return {"tower": type(self.module).__name__, "rows": rows, "n_mels": str(f.n_mels),
                 "sampling_rate": str(f.sampling_rate), "window_seconds": str(f.chunk_length),
-                "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature()}
+                "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature(),
+                "preprocess": self.preprocess}
 
     def warmup(self) -> None:
-        """One silent 1 s clip through prepare and encode (kernels, backend smoke tests, allocator)."""
-        silence = pb.EncodeItem(pcm=pb.Tensor(dtype=pb.FLOAT32, shape=[self.features.sampling_rate],
-                                              data=bytes(4 * self.features.sampling_rate)),
-                                sample_rate=self.features.sampling_rate)
-        self.encode([self.prepare(silence, 0)])
+        """Silent 1 s clips through prepare and encode (kernels, backend smoke tests, allocator); on the
+        device path also at the common file rates, so their resampling tables are on the device already."""
+        rates = [self.features.sampling_rate, *((44100, 48000) if self.on_device else ())]
+        silence = [pb.EncodeItem(pcm=pb.Tensor(dtype=pb.FLOAT32, shape=[r], data=bytes(4 * r)), sample_rate=r)
+                   for r in rates]
+        self.encode([self.prepare(item, i) for i, item in enumerate(silence)])
 
 
 # ---- building ---------------------------------------------------------------------------------

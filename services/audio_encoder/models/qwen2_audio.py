@@ -24,7 +24,13 @@ from torch import nn
 from modalmesh.layers import ReplicatedLinear
 from modalmesh.models import CheckpointModel
 from modalmesh.weights import WeightsMapper
-from services.audio_encoder.models.whisper import LAYER_RENAMES, QKV, AudioTowerConfig, WhisperEncoder
+from services.audio_encoder.models.whisper import (
+    LAYER_RENAMES,
+    QKV,
+    AudioTowerConfig,
+    PackedIndex,
+    WhisperEncoder,
+)
 
 
 def output_rows(mel_frames: torch.Tensor | int):
@@ -62,5 +68,7 @@ class Qwen2AudioTower(nn.Module, CheckpointModel):
     def output_hidden_size(self) -> int:
         return self.multi_modal_projector.linear.output_size
 
-    def forward(self, input_features: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        return self.multi_modal_projector(self.audio_tower(input_features, lengths, pool=self.pool))
+    def forward(self, input_features: torch.Tensor, lengths: Sequence[int] | None = None,
+                index: PackedIndex | None = None) -> torch.Tensor:
+        """`lengths` (positions per window), or their `PackedIndex` (built with pool=2) already on the device."""
+        return self.multi_modal_projector(self.audio_tower(input_features, lengths, pool=self.pool, index=index))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,41 @@ class AudioTowerConfig:
     model_type: str
     dims: AudioEncoderDims
     text_hidden_size: int
+
+
+@dataclass(frozen=True)
+class PackedIndex:
+    """Which positions a packed forward keeps and pools, for windows of `positions` positions.
+
+    Built on the host (`build`); the model uploads `tensors()` with the batch's inputs in one copy
+    (`with_tensors`), because an index made on the host and copied alone waits for the device's queue.
+    """
+
+    lengths: tuple[int, ...]  # valid positions per window
+    positions: int  # positions per window in the stem's output (what `keep` strides by)
+    keep: torch.Tensor  # int64 (T,): the kept rows of the flattened (windows * positions, d)
+    cu_seqlens: torch.Tensor  # int32 (windows + 1,)
+    first: torch.Tensor  # int64: each pooled group's first packed row (empty when pool == 1)
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], positions: int, pool: int = 1) -> PackedIndex:
+        lens = [int(n) for n in lengths]
+        if not lens or min(lens) < 1 or max(lens) > positions:
+            raise ValueError(f"lengths {lens} do not fit windows of {positions} positions")
+        keep = torch.cat([b * positions + torch.arange(n) for b, n in enumerate(lens)])
+        cu = torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
+        if pool > 1:
+            first = torch.cat([int(s) + pool * torch.arange(n // pool) for s, n in zip(cu[:-1].tolist(), lens)])
+        else:
+            first = torch.zeros(0, dtype=torch.int64)
+        return cls(tuple(lens), positions, keep, cu, first)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keep, self.cu_seqlens, self.first]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> PackedIndex:
+        keep, cu, first = tensors
+        return PackedIndex(self.lengths, self.positions, keep, cu, first)
 
 
 def conv_output_lengths(mel_frames: torch.Tensor | int):
@@ -166,34 +202,33 @@ class WhisperEncoder(nn.Module):
             raise ValueError(f"{input_features.shape[-1]} mel frames exceed the {self.dims.window_frames} of a window")
         return x + self.embed_positions.weight[: x.shape[1]]
 
-    def forward(self, input_features: torch.Tensor, lengths: Sequence[int] | None = None, pool: int = 1):
+    def forward(self, input_features: torch.Tensor, lengths: Sequence[int] | None = None, pool: int = 1,
+                index: PackedIndex | None = None):
         """Dense: (B, n_mels, window_frames) -> (B, max_source_positions, d).
 
-        Packed (`lengths`: valid positions per window, after the stem): (sum(lengths[b] // pool), d),
-        windows in order; `pool` = 2 averages neighbouring positions before the final norm.
+        Packed (`lengths`: valid positions per window, after the stem; or `index`, already on the
+        device): (sum(lengths[b] // pool), d), windows in order; `pool` = 2 averages neighbouring
+        positions before the final norm.
         """
         h = self.stem(input_features)
-        if lengths is None:
+        if lengths is None and index is None:
             if self.layout != "dense" or h.shape[1] != self.dims.max_source_positions:
                 raise ValueError(f"dense Whisper input must be (B, {self.dims.n_mels}, {self.dims.window_frames})")
             for layer in self.layers:
                 h = layer(h)
             return self.layer_norm(h)
-        lens = torch.as_tensor(list(lengths), dtype=torch.int64)
-        if len(lens) != h.shape[0] or bool((lens > h.shape[1]).any()) or bool((lens < 1).any()):
-            raise ValueError(f"lengths {lens.tolist()} do not fit {h.shape[0]} windows of {h.shape[1]} positions")
-        S = h.shape[1]
-        keep = torch.cat([b * S + torch.arange(n) for b, n in enumerate(lens.tolist())])  # host-built: no sync
-        h = h.flatten(0, 1).index_select(0, keep.to(h.device))  # (T, d), window by window
-        meta = VarlenMetadata.from_seqlens(lens.tolist(), h.device)
+        if index is None:
+            built = PackedIndex.build(lengths, h.shape[1], pool)
+            index = built.with_tensors([t.to(h.device) for t in built.tensors()])
+        if len(index.lengths) != h.shape[0] or index.positions != h.shape[1]:
+            raise ValueError(f"lengths {list(index.lengths)} do not fit {h.shape[0]} windows of {h.shape[1]} positions")
+        h = h.flatten(0, 1).index_select(0, index.keep)  # (T, d), window by window
+        meta = VarlenMetadata(index.cu_seqlens, max(index.lengths), index.lengths)
         with attention_metadata(meta):
             for layer in self.layers:
                 h = layer(h)
         if pool > 1:
-            starts = torch.cumsum(lens, 0) - lens
-            first = torch.cat([s + pool * torch.arange(n // pool) for s, n in zip(starts.tolist(), lens.tolist())])
-            first = first.to(h.device)
-            h = sum(h[first + i] for i in range(pool)) / pool
+            h = sum(h[index.first + i] for i in range(pool)) / pool
         return self.layer_norm(h)
 
 
