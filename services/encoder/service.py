@@ -18,10 +18,10 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import payload_nbytes, to_payload
-from modalmesh.rpc import wire
+from modalmesh.rpc.codec import to_payload
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
+from modalmesh.rpc.transfer import EmbeddingSender
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
 from services.encoder.cache import Answer, EmbeddingCache
@@ -30,16 +30,13 @@ from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 
-_INLINE_BYTES = 4 << 20  # answers this small are put on the wire on the event loop
-
-
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 def add_encoder_service(servicer, server) -> None:
     """The generated registration, except that Encode may return its wire bytes already made
-    (`_wire` splices the embeddings' bytes in with one copy instead of protobuf's two)."""
+    (the sender splices the embeddings' bytes in with one copy instead of protobuf's two)."""
     handlers = {
         "Encode": grpc.unary_unary_rpc_method_handler(
             servicer.Encode, request_deserializer=pb.EncodeRequest.FromString, response_serializer=_serialize),
@@ -65,6 +62,7 @@ class EncoderService(Service):
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
+        self.sender = EmbeddingSender(shm=self.shm, executor=self._pool, metrics=metrics)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -177,36 +175,8 @@ class EncoderService(Service):
                     out[i] = answer
         for i, j in repeats.items():
             out[i] = out[j]
-        shared = self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer)
         response = pb.EncodeResponse(model_id=self.model_id, weights_fingerprint=self.weights_fingerprint,
                                      modality=self.modality)
-        if not shared or sum(len(a.payload) for a in out) <= _INLINE_BYTES:
-            payloads = self._wire(response, out, shared)  # a thread hop would cost more than the copies
-        else:
-            payloads = await loop.run_in_executor(self._pool, self._wire, response, out, shared)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        sent = {"grpc": 0, "shared_memory": 0}
-        for e in response.embeddings:
-            sent["shared_memory" if e.embedding.HasField("shared_memory") else "grpc"] += payload_nbytes(e.embedding)
-        for path, nbytes in sent.items():
-            if nbytes:
-                self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
-        if not any(payloads):
-            return response
-        if sent["grpc"] <= _INLINE_BYTES:
-            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
-        return await loop.run_in_executor(self._pool, wire.inject, response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
-
-    def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> list[bytes | None]:
-        """The answers into `response` without their bytes; returns the bytes each one still needs in
-        the message (None where they went into shared memory)."""
-        payloads = []
-        for a in answers:
-            ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
-            e = response.embeddings.add()
-            e.CopyFrom(a.meta)
-            if ref is not None:
-                e.embedding.CopyFrom(ref)
-            payloads.append(None if ref is not None else a.payload)
-        return payloads
+        return await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)

@@ -1,0 +1,157 @@
+"""How an embedding travels from an encoder to the LLM: the paths, thresholds, fallbacks and metric labels, once.
+
+Paths (the `path` label of modalmesh_transfer_bytes_total):
+
+    grpc           the bytes inside the answer message: any peer, anywhere
+    shared_memory  a slab under /dev/shm (modalmesh.rpc.shm): only for a caller whose probe proves it
+                   shares this host's /dev/shm (same host, IPC namespace and user)
+
+`EmbeddingSender` (encoder side) picks the path per call from what the request offers and
+makes the answer. `EmbeddingReceiver` (LLM side, one per encoder pool) offers what it can
+take, reads each answer's tensor onto its device, and says what to do when a path fails:
+a ref that is gone, stale or malformed -> `AskAgain` for that item without the path; one
+that cannot be opened at all (another user's) -> `AskAgain` and the path is off for the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Executor
+
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument
+from modalmesh.rpc import wire
+from modalmesh.rpc.codec import from_payload, payload_nbytes
+from modalmesh.rpc.shm import SharedMemoryGone, ShmExporter, ShmProbe, ShmReader
+
+log = logging.getLogger(__name__)
+
+GRPC = "grpc"
+SHARED_MEMORY = "shared_memory"
+PATHS = (GRPC, SHARED_MEMORY)
+
+# Copies of at most this many bytes run on the event loop: a thread hop costs more than they do.
+INLINE_BYTES = 4 << 20
+
+
+def path_of(message: pb.Tensor) -> str:
+    """The path a wire Tensor took."""
+    return SHARED_MEMORY if message.HasField("shared_memory") else GRPC
+
+
+def _count(metrics, direction: str, path: str, nbytes: int) -> None:
+    if metrics is not None and nbytes:
+        metrics.transfer_bytes_total.labels(direction=direction, path=path).inc(nbytes)
+
+
+class EmbeddingSender:
+    """Encoder side: an EncodeResponse holding `answers` by the fastest path the caller can take.
+
+    An answer has `.meta` (a pb.Embedding whose tensor has dtype and shape, no data) and
+    `.payload` (its bytes).
+    """
+
+    def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None):
+        self.shm = shm
+        self.executor = executor  # for copies too large for the event loop
+        self.metrics = metrics
+
+    def shares_memory(self, options: pb.TransferOptions | None) -> bool:
+        return self.shm is not None and options is not None and self.shm.peer_shares(options)
+
+    async def respond(self, response: pb.EncodeResponse, answers: Sequence,
+                      options: pb.TransferOptions | None) -> pb.EncodeResponse | bytes:
+        """`response` with `answers` in it, or its wire bytes when bytes travel in it (one copy of them,
+        spliced in by modalmesh.rpc.wire rather than protobuf's two)."""
+        loop = asyncio.get_running_loop()
+        shared = self.shares_memory(options)
+        if not shared or sum(len(a.payload) for a in answers) <= INLINE_BYTES:
+            payloads = self._place(response, answers, shared)
+        else:
+            payloads = await loop.run_in_executor(self.executor, self._place, response, answers, shared)
+        sent = dict.fromkeys(PATHS, 0)
+        for e in response.embeddings:
+            sent[path_of(e.embedding)] += payload_nbytes(e.embedding)
+        for path, nbytes in sent.items():
+            _count(self.metrics, "sent", path, nbytes)
+        if not any(payloads):
+            return response
+        if sent[GRPC] <= INLINE_BYTES:
+            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
+        return await loop.run_in_executor(self.executor, wire.inject, response.SerializeToString(),
+                                          wire.ENCODE_RESPONSE_BYTES, payloads)
+
+    def _place(self, response: pb.EncodeResponse, answers: Sequence, shared: bool) -> list[bytes | None]:
+        """The answers into `response` without their bytes; returns the bytes each one still needs in
+        the message (None where they went into shared memory)."""
+        payloads = []
+        for a in answers:
+            ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
+            e = response.embeddings.add()
+            e.CopyFrom(a.meta)
+            if ref is not None:
+                e.embedding.CopyFrom(ref)
+            payloads.append(None if ref is not None else a.payload)
+        return payloads
+
+
+class AskAgain(Exception):
+    """This answer's path failed: ask for the item again without `path` (the pool may have turned it off)."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(why)
+        self.path = path
+
+
+class EmbeddingReceiver:
+    """LLM side, one per encoder pool: what to offer, and each answer's tensor on `device`."""
+
+    def __init__(self, *, probe: ShmProbe | None = None, reader: ShmReader | None = None,
+                 device: torch.device | None = None, metrics=None):
+        self.probe = probe  # None: shared memory is off (never on, or turned off after an unreadable answer)
+        self.reader = reader if reader is not None else ShmReader()
+        self.device = device  # None: the CPU, as a copy owning its memory
+        self.metrics = metrics
+
+    def offer(self, request: pb.EncodeRequest, refused: set[str] = frozenset()) -> frozenset[str]:
+        """Put the transfer options into `request`, leaving out `refused` paths; returns the paths offered."""
+        offered = {GRPC}
+        if self.probe is not None and SHARED_MEMORY not in refused:
+            request.transfer.CopyFrom(self.probe.options())
+            offered.add(SHARED_MEMORY)
+        return frozenset(offered)
+
+    async def take(self, message: pb.Tensor, payload, *, name: str) -> torch.Tensor:
+        """The tensor of an answer's wire Tensor (`payload`: its bytes, stripped from the message, or None),
+        copied onto the device. Raises InvalidArgument for malformed bytes (the encoder's fault) and
+        AskAgain when a same-host path failed."""
+        path = path_of(message)
+        if path == GRPC:
+            view = from_payload(message, payload if payload is not None else message.data, name=name)
+            # Out of the received message (read-only, any alignment, kept alive whole by a view),
+            # onto the device in the same copy.
+            tensor = view.to(self.device, copy=True) if self.device is not None else view.clone()
+        else:
+            tensor = await self._read_shared_memory(message, name)
+        _count(self.metrics, "received", path, payload_nbytes(message))
+        return tensor
+
+    async def _read_shared_memory(self, message: pb.Tensor, name: str) -> torch.Tensor:
+        try:
+            if message.shared_memory.nbytes <= INLINE_BYTES:
+                return self.reader.read(message, name=name, device=self.device)
+            return await asyncio.to_thread(self.reader.read, message, name=name, device=self.device)
+        except (InvalidArgument, SharedMemoryGone) as exc:
+            # A late read (the slab was retired) or a malformed ref: this item again, without it.
+            raise AskAgain(SHARED_MEMORY, f"{exc}; asking again for bytes") from None
+        except OSError as exc:
+            self.probe = None  # not this user's, say: every later answer would fail the same way
+            raise AskAgain(SHARED_MEMORY, f"shared-memory answer unreadable ({exc}); using message bytes "
+                                          "from now on") from None
+
+    def close(self) -> None:
+        self.reader.close()
