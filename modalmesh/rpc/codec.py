@@ -11,6 +11,7 @@ import math
 import sys
 import warnings
 
+import numpy as np
 import torch
 
 from modalmesh import pb
@@ -125,3 +126,41 @@ def from_payload(
         if copy:
             out = out.clone()
     return out if device is None else out.to(device)
+
+
+_TRANSFER_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _transfer_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _TRANSFER_STREAMS.get(index)
+    if stream is None:
+        stream = _TRANSFER_STREAMS.setdefault(index, torch.cuda.Stream(index))
+    return stream
+
+
+def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """An owned copy of `src` (a contiguous host view into a received message or a shared-memory slab) on
+    `device` (default the CPU); `src`'s memory may be reused as soon as this returns.
+
+    On the host: one single-threaded memcpy (numpy's). torch's copy of a few MB goes through its
+    intra-op thread pool, and in a service process, whose gRPC pollers and engine thread hold the
+    cores, waking that pool cost 3-8 ms per 1.8 MB copy against 0.2 ms on one thread (measured).
+    To CUDA: on a stream of its own, waited for alone: the caller's stream is the engine's, and a
+    copy queued behind a running step would wait for the step (a pageable copy syncs its stream).
+    """
+    target = torch.device(device) if device is not None else torch.device("cpu")
+    if target.type == "cuda":
+        stream = _transfer_stream(target)
+        with torch.cuda.stream(stream):
+            out = src.to(target, copy=True)
+        stream.synchronize()  # a pinned source copies asynchronously: done before the caller reuses it
+        out.record_stream(torch.cuda.current_stream(target))  # its memory is the caller's stream's once freed
+        return out
+    if target.type != "cpu":
+        return src.to(target, copy=True)
+    if not src.is_contiguous() or src.numel() == 0:
+        return src.clone()
+    out = torch.empty(src.shape, dtype=src.dtype)
+    np.copyto(out.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    return out

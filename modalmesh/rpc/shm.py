@@ -375,7 +375,7 @@ class ShmReader:
         gone or holds other content, and OSError when it cannot be opened: the caller asks again
         for bytes.
         """
-        from modalmesh.rpc.codec import TORCH_DTYPES, dtype_name  # codec imports nothing from here
+        from modalmesh.rpc.codec import TORCH_DTYPES, copy_out, dtype_name  # codec imports nothing from here
 
         ref = message.shared_memory
         dtype = TORCH_DTYPES.get(message.dtype)
@@ -401,9 +401,7 @@ class ShmReader:
         target = torch.device(device) if device is not None else torch.device("cpu")
         if expected:
             src = torch.frombuffer(view, dtype=torch.uint8, count=expected, offset=ref.offset)
-            out = src.to(target, copy=True) if target.type != "cpu" else src.clone()
-            if target.type == "cuda":
-                torch.cuda.current_stream(target).synchronize()  # the bytes are out before the slab goes back
+            out = copy_out(src, target)  # the bytes are out before the slab goes back
             del src
         else:
             out = torch.empty(0, dtype=torch.uint8, device=target)

@@ -25,7 +25,7 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import from_payload, payload_nbytes
+from modalmesh.rpc.codec import copy_out, from_payload, payload_nbytes
 from modalmesh.rpc.shm import SharedMemoryGone, ShmExporter, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class EmbeddingReceiver:
             view = from_payload(message, payload if payload is not None else message.data, name=name)
             # Out of the received message (read-only, any alignment, kept alive whole by a view),
             # onto the device in the same copy.
-            tensor = view.to(self.device, copy=True) if self.device is not None else view.clone()
+            tensor = copy_out(view, self.device)
         else:
             tensor = await self._read_shared_memory(message, name)
         _count(self.metrics, "received", path, payload_nbytes(message))
