@@ -27,6 +27,7 @@ tracker unlinks objects when any process that touched them exits.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import fcntl
 import logging
@@ -175,12 +176,30 @@ class _Slab:
             raise
         self.capacity = capacity
         self.deadline = math.inf  # when an unreturned lease is given up on
+        self.registered: int | None = None  # the page-locked address; 0: refused; None: not tried
+
+    def host_register(self) -> bool:
+        """Page-lock the mapping for the CUDA driver once (a device copy into it is then a DMA, not a
+        staged memcpy); False where CUDA refuses (it is then copied into as pageable memory)."""
+        if self.registered is None:
+            self.registered = 0
+            try:
+                view = (ctypes.c_char * 1).from_buffer(self.map)
+                pointer = ctypes.addressof(view)
+                del view  # no export may outlive this: the map must stay closable
+                if int(torch.cuda.cudart().cudaHostRegister(pointer, self.capacity, 0)) == 0:
+                    self.registered = pointer
+            except Exception as exc:  # noqa: BLE001 - an optimisation only
+                log.info("shared-memory slab not page-locked: %s", exc)
+        return bool(self.registered)
 
     def returned(self) -> bool:
         return _word(self.map, _LEASE) == _word(self.map, _RETURNED)
 
     def close(self) -> None:
         _unlink(self.path)
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
         self.map.close()
         os.close(self.fd)
 
@@ -277,14 +296,27 @@ class ShmExporter:
             with self._lock:
                 self._reserved -= capacity
 
-    def export(self, meta: pb.Tensor, data: bytes) -> pb.Tensor | None:
-        """A Tensor of `meta`'s dtype and shape whose bytes (`data`) are in a slab, or None when there is
-        no room (send bytes)."""
-        slab = self._take_slab(HEADER + len(data))
+    def export(self, meta: pb.Tensor, data, *, ready=None) -> pb.Tensor | None:
+        """A Tensor of `meta`'s dtype and shape whose bytes are in a slab, or None when there is no room
+        (send bytes). `data`: the bytes, or a tensor (on any device; a CUDA one is copied straight into
+        the slab, after `ready`, its CUDA event)."""
+        from modalmesh.rpc.codec import copy_to_host  # codec imports nothing from here
+
+        size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+        slab = self._take_slab(HEADER + size)
         if slab is None:
             return None
         lease = secrets.randbits(64) or 1
-        slab.map[HEADER:HEADER + len(data)] = data
+        try:
+            if not isinstance(data, torch.Tensor):
+                slab.map[HEADER:HEADER + size] = data
+            elif size:
+                if data.device.type == "cuda":
+                    slab.host_register()
+                copy_to_host(data, torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=HEADER), ready)
+        except BaseException:
+            slab.close()  # half written: never handed out
+            raise
         slab.map[_LEASE] = lease.to_bytes(8, "little")  # after the bytes; its reader cannot be mid-copy
         slab.deadline = time.monotonic() + self.ttl_s
         with self._lock:
@@ -295,7 +327,7 @@ class ShmExporter:
             slab.close()
             return None
         return pb.Tensor(dtype=meta.dtype, shape=meta.shape, shared_memory=pb.SharedMemoryRef(
-            name=slab.name, nbytes=len(data), offset=HEADER, lease=lease))
+            name=slab.name, nbytes=size, offset=HEADER, lease=lease))
 
     def close(self) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -25,7 +26,7 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import copy_out, from_payload, payload_nbytes
+from modalmesh.rpc.codec import copy_out, copy_to_host, from_payload, host_bytes_view, nbytes, payload_nbytes
 from modalmesh.rpc.shm import SharedMemoryGone, ShmExporter, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -48,17 +49,46 @@ def _count(metrics, direction: str, path: str, nbytes: int) -> None:
         metrics.transfer_bytes_total.labels(direction=direction, path=path).inc(nbytes)
 
 
+class PinnedBuffers:
+    """Reused page-locked host buffers for device answers on the bytes path: one DMA each, no
+    allocation per call. A buffer is lent for one message's making and given back after it."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [b for b in self._free if b.numel() >= nbytes]
+            buffer = min(fitting, key=torch.Tensor.numel, default=None)
+            if buffer is not None:
+                self._free.remove(buffer)
+        if buffer is None:
+            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
+
+
 class EmbeddingSender:
     """Encoder side: an EncodeResponse holding `answers` by the fastest path the caller can take.
 
-    An answer has `.meta` (a pb.Embedding whose tensor has dtype and shape, no data) and
-    `.payload` (its bytes).
+    An answer has `.meta` (a pb.Embedding whose tensor has dtype and shape, no data), `.tensor`
+    (its embedding, on the model's device or the host) and `.ready` (a CUDA event recorded after
+    the tensor was made, or None). Bytes are made only for the path that needs them: a slab for
+    shared memory, the message for gRPC (from a device through a reused pinned buffer).
     """
 
     def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None):
         self.shm = shm
         self.executor = executor  # for copies too large for the event loop
         self.metrics = metrics
+        self.pinned = PinnedBuffers()
 
     def shares_memory(self, options: pb.TransferOptions | None) -> bool:
         return self.shm is not None and options is not None and self.shm.peer_shares(options)
@@ -67,36 +97,46 @@ class EmbeddingSender:
                       options: pb.TransferOptions | None) -> pb.EncodeResponse | bytes:
         """`response` with `answers` in it, or its wire bytes when bytes travel in it (one copy of them,
         spliced in by modalmesh.rpc.wire rather than protobuf's two)."""
-        loop = asyncio.get_running_loop()
         shared = self.shares_memory(options)
-        if not shared or sum(len(a.payload) for a in answers) <= INLINE_BYTES:
-            payloads = self._place(response, answers, shared)
-        else:
-            payloads = await loop.run_in_executor(self.executor, self._place, response, answers, shared)
-        sent = dict.fromkeys(PATHS, 0)
-        for e in response.embeddings:
-            sent[path_of(e.embedding)] += payload_nbytes(e.embedding)
-        for path, nbytes in sent.items():
-            _count(self.metrics, "sent", path, nbytes)
-        if not any(payloads):
-            return response
-        if sent[GRPC] <= INLINE_BYTES:
-            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
-        return await loop.run_in_executor(self.executor, wire.inject, response.SerializeToString(),
-                                          wire.ENCODE_RESPONSE_BYTES, payloads)
+        if sum(nbytes(a.tensor) for a in answers) <= INLINE_BYTES:
+            return self._respond(response, answers, shared)  # a thread hop would cost more than the copies
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, self._respond, response, answers, shared)
 
-    def _place(self, response: pb.EncodeResponse, answers: Sequence, shared: bool) -> list[bytes | None]:
-        """The answers into `response` without their bytes; returns the bytes each one still needs in
-        the message (None where they went into shared memory)."""
-        payloads = []
+    def _respond(self, response: pb.EncodeResponse, answers: Sequence, shared: bool) -> pb.EncodeResponse | bytes:
+        sources: list = []
         for a in answers:
-            ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
+            ref = self.shm.export(a.meta.embedding, a.tensor, ready=a.ready) if shared else None
             e = response.embeddings.add()
             e.CopyFrom(a.meta)
             if ref is not None:
                 e.embedding.CopyFrom(ref)
-            payloads.append(None if ref is not None else a.payload)
-        return payloads
+            sources.append(None if ref is not None else a)
+        sent = dict.fromkeys(PATHS, 0)
+        for e in response.embeddings:
+            sent[path_of(e.embedding)] += payload_nbytes(e.embedding)
+        for path, n in sent.items():
+            _count(self.metrics, "sent", path, n)
+        if not any(a is not None and nbytes(a.tensor) for a in sources):
+            return response
+        lent: list[torch.Tensor] = []
+        try:
+            payloads = [None if a is None else self._host_bytes(a, lent) for a in sources]
+            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
+        finally:
+            for buffer in lent:
+                self.pinned.give_back(buffer)
+
+    def _host_bytes(self, answer, lent: list) -> memoryview:
+        """The answer's bytes on the host: the tensor's own memory there, else a pinned buffer's."""
+        tensor = answer.tensor
+        if tensor.device.type != "cuda":
+            return host_bytes_view(tensor)
+        size = nbytes(tensor)
+        buffer = self.pinned.take(size)
+        lent.append(buffer)
+        copy_to_host(tensor, buffer[:size], answer.ready)
+        return memoryview(buffer[:size].numpy())
 
 
 class AskAgain(Exception):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,7 +19,7 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import to_payload
+from modalmesh.rpc.codec import describe, nbytes
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
 from modalmesh.rpc.transfer import EmbeddingSender
@@ -115,16 +116,27 @@ class EncoderService(Service):
 
     # -- Encode -----------------------------------------------------------------------------
     def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer]:
-        """Worker thread: one model call, then the answers (tensor bytes copied off the device here).
+        """Worker thread: one model call, then the answers, left where the model made them (on its device):
+        the transport copies each one once, by the path its caller takes (modalmesh.rpc.transfer).
         One forward has no point to stop at: `abandoned` is not consulted."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
-        answers = []
-        for r in results:
-            tensor, payload = to_payload(r.embedding)
-            meta = pb.Embedding(embedding=tensor, grid_thw=list(r.grid_thw),
-                                num_placeholder_tokens=int(r.embedding.shape[0]), valid_length=int(r.valid_length))
-            answers.append(Answer(meta, payload))
+            answers = []
+            for r in results:
+                tensor = r.embedding.detach()
+                if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != nbytes(tensor):
+                    # A view into the batch's output: its own copy (on the device), so the cache holds and
+                    # counts exactly its bytes, not the whole batch's.
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
+                meta = pb.Embedding(embedding=describe(tensor), grid_thw=list(r.grid_thw),
+                                    num_placeholder_tokens=int(tensor.shape[0]), valid_length=int(r.valid_length))
+                answers.append(Answer(meta, tensor))
+            devices = {a.tensor.device for a in answers if a.tensor.device.type == "cuda"}
+            if devices:
+                ready = torch.cuda.Event()
+                # On the stream the batch ran on, after it: transfer copies wait for this alone.
+                ready.record(torch.cuda.current_stream(next(iter(devices))))
+                answers = [dataclasses.replace(a, ready=ready) for a in answers]
         return answers
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
