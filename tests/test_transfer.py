@@ -82,3 +82,133 @@ def test_device_answers_go_by_bytes_and_by_shared_memory_equal_to_the_cpu_path(t
         reader.close()
         probe.close()
         exporter.close()
+
+
+# ---- negotiation, refusal and fallback of the CUDA IPC path (faked where CUDA is absent) ----------------
+def test_a_caller_can_never_send_a_cuda_ipc_handle():
+    from modalmesh.errors import InvalidArgument
+    from modalmesh.rpc.codec import from_proto
+
+    sneaky = pb.Tensor(dtype=pb.FLOAT32, shape=[2], cuda_ipc=pb.CudaIpcRef(handle=b"\x01" * 64, nbytes=8))
+    with pytest.raises(InvalidArgument, match=r"pcm: a CUDA IPC handle \(cuda_ipc\) is not accepted here"):
+        from_proto(sneaky, name="pcm")
+
+
+def test_an_encode_request_carrying_a_handle_is_refused_naming_the_field(tmp_path):
+    import grpc
+
+    from tests.test_encoder_layer import _serve
+
+    async def body():
+        service, server, port, _ = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                pcm = pb.Tensor(dtype=pb.FLOAT32, shape=[2], cuda_ipc=pb.CudaIpcRef(handle=b"\x01" * 64, nbytes=8))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(pcm=pcm, sample_rate=16000)]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "items[0].pcm: a CUDA IPC handle (cuda_ipc) is not accepted" in err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_cuda_ipc_is_offered_only_with_shared_memory_and_a_cuda_device(tmp_path):
+    from modalmesh.rpc.transfer import CUDA_IPC, GRPC, SHARED_MEMORY, EmbeddingReceiver
+
+    probe = ShmProbe(tmp_path)
+    try:
+        for receiver, paths in [
+            (EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0)), {GRPC, SHARED_MEMORY, CUDA_IPC}),
+            (EmbeddingReceiver(probe=probe, device=None), {GRPC, SHARED_MEMORY}),  # on the CPU: no handle to open
+            (EmbeddingReceiver(probe=None, device=torch.device("cuda", 0)), {GRPC}),  # not the same host
+            (EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0), cuda_ipc=False), {GRPC, SHARED_MEMORY}),
+        ]:
+            request = pb.EncodeRequest()
+            assert receiver.offer(request) == paths
+            assert request.transfer.cuda_ipc == (CUDA_IPC in paths)
+        request = pb.EncodeRequest()
+        receiver = EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0))
+        assert receiver.offer(request, {CUDA_IPC}) == {GRPC, SHARED_MEMORY} and not request.transfer.cuda_ipc
+        assert receiver.offer(pb.EncodeRequest(), {SHARED_MEMORY}) == {GRPC}  # IPC rides on the probe
+    finally:
+        probe.close()
+
+
+def test_the_sender_uses_cuda_ipc_only_when_offered_and_for_device_answers(tmp_path):
+    class FakeIpc:
+        def __init__(self):
+            self.calls = 0
+
+        def export(self, meta, tensor, ready):
+            self.calls += 1
+            return pb.Tensor(dtype=meta.dtype, shape=meta.shape, cuda_ipc=pb.CudaIpcRef(nbytes=1))
+
+    exporter, probe = ShmExporter(directory=tmp_path), ShmProbe(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender = EmbeddingSender(shm=exporter, executor=pool)
+            sender.ipc = FakeIpc()
+            options = probe.options()
+            options.cuda_ipc = True
+            reply, _ = _respond(sender, [_answer(torch.randn(4096, 64))], options)
+            # A host tensor has no handle to give: shared memory, and the IPC exporter is never asked.
+            assert reply.embeddings[0].embedding.HasField("shared_memory") and sender.ipc.calls == 0
+            reply, _ = _respond(sender, [_answer(torch.randn(4096, 64))], probe.options())
+            assert reply.embeddings[0].embedding.HasField("shared_memory")
+    finally:
+        probe.close()
+        exporter.close()
+
+
+class _FakeIpcReader:
+    def __init__(self, error):
+        self.error = error
+        self.reads = 0
+
+    def read(self, message, *, name, device):
+        self.reads += 1
+        raise self.error
+
+
+@pytest.mark.parametrize("error, stays_on", [
+    (RuntimeError("CUDA error: invalid resource handle"), False),  # CUDA refuses handles: off for the pool
+    (None, True),  # the lease went stale (SharedMemoryGone): this item again, the path stays on
+])
+def test_a_failed_cuda_ipc_answer_is_asked_again_by_shared_memory(tmp_path, error, stays_on):
+    from modalmesh.rpc.shm import SharedMemoryGone
+    from modalmesh.rpc.codec import to_proto
+    from services.llm.encoders import EncoderPool
+    from tests.helpers.echo_service import build
+
+    async def body():
+        server, servicer = build()
+        exporter = ShmExporter()
+        servicer.shared_memory, servicer.cuda_ipc = exporter, exporter
+        port = await server.start()
+        probe = ShmProbe()
+        metrics = Metrics("llm", process_metrics=False)
+        pool = EncoderPool(pb.IMAGE, f"127.0.0.1:{port}", probe=probe, metrics=metrics)
+        pool.receiver.cuda_ipc = True  # as on CUDA; the reader is faked
+        pool.receiver._ipc_reader = fake = _FakeIpcReader(error or SharedMemoryGone("items[3].embedding: gone"))
+        x = torch.randn(5, 8)
+        try:
+            reply, tensor = await pool.encode_one(pb.EncodeItem(pcm=to_proto(x)), 3, timeout=30)
+            return x, reply, tensor, servicer, pool.receiver.cuda_ipc, fake.reads, metrics
+        finally:
+            await pool.close()
+            probe.close()
+            exporter.close()
+            await server.stop(0)
+
+    x, reply, tensor, servicer, ipc_on, reads, metrics = asyncio.run(asyncio.wait_for(body(), 60))
+    assert reads == 1 and servicer.encode_calls == 2 and servicer.cuda_ipc_offers == 1
+    assert reply.embeddings[0].embedding.HasField("shared_memory") and torch.equal(tensor, x)
+    assert ipc_on == stays_on
+    get = metrics.registry.get_sample_value
+    labels = {"service": "llm", "direction": "received"}
+    assert get("modalmesh_transfer_bytes_total", {**labels, "path": "shared_memory"}) == x.numel() * 4
+    assert get("modalmesh_transfer_bytes_total", {**labels, "path": "cuda_ipc"}) is None

@@ -102,6 +102,10 @@ def from_proto(
         # Only an answer to a request that offered the same-host path may point into /dev/shm
         # (modalmesh.rpc.shm reads those); anywhere else it would let a caller name files here.
         raise InvalidArgument(f"{name}: a shared-memory reference is not accepted here; send the bytes in data")
+    if message.HasField("cuda_ipc"):
+        # Only an encoder's answer to a request that offered CUDA IPC may carry a handle: from a caller it
+        # would make this process map another process's GPU memory.
+        raise InvalidArgument(f"{name}: a CUDA IPC handle (cuda_ipc) is not accepted here; send the bytes in data")
     return from_payload(message, message.data, name=name, device=device, copy=copy)
 
 

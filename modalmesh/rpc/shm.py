@@ -268,7 +268,7 @@ class ShmExporter:
             # Reuse a returned slab that fits without wasting more than half of it.
             fitting = [s for s in self._slabs if s.returned() and need <= s.capacity <= max(2 * need, _MIN_SLAB)]
             slab = min(fitting, key=lambda s: s.capacity, default=None)
-            capacity = _size_class(need)
+            capacity = _size_class(need) if need > HEADER else mmap.PAGESIZE  # a lease alone: one page
             if slab is None and capacity <= self.max_bytes:
                 idle = sorted((s for s in self._slabs if s.returned()), key=lambda s: s.capacity)
                 while idle and self.slab_bytes + capacity > self.max_bytes:  # make room from idle slabs
@@ -328,6 +328,16 @@ class ShmExporter:
             return None
         return pb.Tensor(dtype=meta.dtype, shape=meta.shape, shared_memory=pb.SharedMemoryRef(
             name=slab.name, nbytes=size, offset=HEADER, lease=lease))
+
+    def lease_live(self, name: str, lease: int) -> bool:
+        """Whether the slab `name` still holds `lease`, not yet handed back nor past its TTL (the CUDA IPC
+        exporter keeps a tensor alive exactly that long)."""
+        now = time.monotonic()
+        with self._lock:
+            for s in self._slabs:
+                if s.name == name:
+                    return _word(s.map, _LEASE) == lease and not s.returned() and s.deadline > now
+        return False
 
     def close(self) -> None:
         with self._lock:
@@ -413,8 +423,6 @@ class ShmReader:
         dtype = TORCH_DTYPES.get(message.dtype)
         if dtype is None:
             raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
-        if not _EMB_NAME.fullmatch(ref.name):
-            raise InvalidArgument(f"{name}: shared-memory name {ref.name!r} is not one modalmesh writes")
         shape = tuple(int(d) for d in message.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
@@ -422,14 +430,7 @@ class ShmReader:
         if ref.nbytes != expected:
             raise InvalidArgument(f"{name}: shared memory holds {ref.nbytes} bytes but shape {list(shape)} of "
                                   f"{dtype_name(message.dtype)} needs {expected}")
-        if ref.offset < HEADER or ref.lease == 0:
-            raise InvalidArgument(f"{name}: shared-memory ref has offset {ref.offset} and lease {ref.lease}")
-        try:
-            view = self._map(ref.name, ref.offset + expected, name)
-        except FileNotFoundError as exc:
-            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} is gone") from exc
-        if _word(view, _LEASE) != ref.lease or _word(view, _RETURNED) == ref.lease:
-            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} holds other content now")
+        view = self.leased(ref, expected, name)
         target = torch.device(device) if device is not None else torch.device("cpu")
         if expected:
             src = torch.frombuffer(view, dtype=torch.uint8, count=expected, offset=ref.offset)
@@ -439,6 +440,24 @@ class ShmReader:
             out = torch.empty(0, dtype=torch.uint8, device=target)
         view[_RETURNED] = ref.lease.to_bytes(8, "little")  # hand back; a stale lease here frees nothing
         return out.view(dtype).reshape(shape)
+
+    def leased(self, ref: pb.SharedMemoryRef, nbytes: int, name: str) -> mmap.mmap:
+        """The mapping of `ref`'s slab, holding `nbytes` at its offset under its lease, still live."""
+        if not _EMB_NAME.fullmatch(ref.name):
+            raise InvalidArgument(f"{name}: shared-memory name {ref.name!r} is not one modalmesh writes")
+        if ref.offset < HEADER or ref.lease == 0:
+            raise InvalidArgument(f"{name}: shared-memory ref has offset {ref.offset} and lease {ref.lease}")
+        try:
+            view = self._map(ref.name, ref.offset + nbytes, name)
+        except FileNotFoundError as exc:
+            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} is gone") from exc
+        if _word(view, _LEASE) != ref.lease or _word(view, _RETURNED) == ref.lease:
+            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} holds other content now")
+        return view
+
+    def hand_back(self, ref: pb.SharedMemoryRef, name: str = "tensor") -> None:
+        """Tell the producer that `ref`'s content (or what its lease guards) is no longer read."""
+        self.leased(ref, 0, name)[_RETURNED] = ref.lease.to_bytes(8, "little")
 
     def close(self) -> None:
         with self._lock:

@@ -5,12 +5,16 @@ Paths (the `path` label of modalmesh_transfer_bytes_total):
     grpc           the bytes inside the answer message: any peer, anywhere
     shared_memory  a slab under /dev/shm (modalmesh.rpc.shm): only for a caller whose probe proves it
                    shares this host's /dev/shm (same host, IPC namespace and user)
+    cuda_ipc       the encoder's GPU memory itself (modalmesh.rpc.cuda_ipc): a shared_memory caller that
+                   runs on CUDA too, for answers on the encoder's GPU of at least CUDA_IPC_MIN_BYTES
 
 `EmbeddingSender` (encoder side) picks the path per call from what the request offers and
 makes the answer. `EmbeddingReceiver` (LLM side, one per encoder pool) offers what it can
 take, reads each answer's tensor onto its device, and says what to do when a path fails:
 a ref that is gone, stale or malformed -> `AskAgain` for that item without the path; one
-that cannot be opened at all (another user's) -> `AskAgain` and the path is off for the pool.
+that cannot be opened at all (another user's slab, a handle CUDA refuses) -> `AskAgain` and
+the path is off for the pool. A failed CUDA IPC answer is asked again by shared memory, a
+failed shared-memory one as bytes.
 """
 
 from __future__ import annotations
@@ -33,14 +37,20 @@ log = logging.getLogger(__name__)
 
 GRPC = "grpc"
 SHARED_MEMORY = "shared_memory"
-PATHS = (GRPC, SHARED_MEMORY)
+CUDA_IPC = "cuda_ipc"
+PATHS = (GRPC, SHARED_MEMORY, CUDA_IPC)
 
 # Copies of at most this many bytes run on the event loop: a thread hop costs more than they do.
 INLINE_BYTES = 4 << 20
+# Smaller answers go by shared memory (or bytes) instead: opening a handle and its lease round trip
+# cost more than copying a small answer through the host, and small answers must not be slower.
+CUDA_IPC_MIN_BYTES = 1 << 20
 
 
 def path_of(message: pb.Tensor) -> str:
     """The path a wire Tensor took."""
+    if message.HasField("cuda_ipc"):
+        return CUDA_IPC
     return SHARED_MEMORY if message.HasField("shared_memory") else GRPC
 
 
@@ -84,11 +94,16 @@ class EmbeddingSender:
     shared memory, the message for gRPC (from a device through a reused pinned buffer).
     """
 
-    def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None):
+    def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None, cuda_ipc: bool = False):
         self.shm = shm
         self.executor = executor  # for copies too large for the event loop
         self.metrics = metrics
         self.pinned = PinnedBuffers()
+        self.ipc = None
+        if cuda_ipc and shm is not None:
+            from modalmesh.rpc.cuda_ipc import CudaIpcExporter
+
+            self.ipc = CudaIpcExporter(shm)
 
     def shares_memory(self, options: pb.TransferOptions | None) -> bool:
         return self.shm is not None and options is not None and self.shm.peer_shares(options)
@@ -98,15 +113,26 @@ class EmbeddingSender:
         """`response` with `answers` in it, or its wire bytes when bytes travel in it (one copy of them,
         spliced in by modalmesh.rpc.wire rather than protobuf's two)."""
         shared = self.shares_memory(options)
+        ipc = shared and self.ipc is not None and options.cuda_ipc
         if sum(nbytes(a.tensor) for a in answers) <= INLINE_BYTES:
-            return self._respond(response, answers, shared)  # a thread hop would cost more than the copies
+            return self._respond(response, answers, shared, ipc)  # a thread hop would cost more than the copies
         return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._respond, response, answers, shared)
+            self.executor, self._respond, response, answers, shared, ipc)
 
-    def _respond(self, response: pb.EncodeResponse, answers: Sequence, shared: bool) -> pb.EncodeResponse | bytes:
+    def _export(self, answer, shared: bool, ipc: bool) -> pb.Tensor | None:
+        """The answer's tensor by a same-host path, or None (bytes)."""
+        ref = None
+        if ipc and answer.tensor.device.type == "cuda" and nbytes(answer.tensor) >= CUDA_IPC_MIN_BYTES:
+            ref = self.ipc.export(answer.meta.embedding, answer.tensor, answer.ready)
+        if ref is None and shared:
+            ref = self.shm.export(answer.meta.embedding, answer.tensor, ready=answer.ready)
+        return ref
+
+    def _respond(self, response: pb.EncodeResponse, answers: Sequence, shared: bool,
+                 ipc: bool = False) -> pb.EncodeResponse | bytes:
         sources: list = []
         for a in answers:
-            ref = self.shm.export(a.meta.embedding, a.tensor, ready=a.ready) if shared else None
+            ref = self._export(a, shared, ipc)
             e = response.embeddings.add()
             e.CopyFrom(a.meta)
             if ref is not None:
@@ -151,11 +177,16 @@ class EmbeddingReceiver:
     """LLM side, one per encoder pool: what to offer, and each answer's tensor on `device`."""
 
     def __init__(self, *, probe: ShmProbe | None = None, reader: ShmReader | None = None,
-                 device: torch.device | None = None, metrics=None):
+                 device: torch.device | None = None, metrics=None, cuda_ipc: bool | None = None):
         self.probe = probe  # None: shared memory is off (never on, or turned off after an unreadable answer)
         self.reader = reader if reader is not None else ShmReader()
         self.device = device  # None: the CPU, as a copy owning its memory
         self.metrics = metrics
+        # CUDA IPC needs shared memory (the probe, the leases) and a CUDA device here; off for good once
+        # a handle could not be opened.
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.cuda_ipc = on_cuda if cuda_ipc is None else (cuda_ipc and on_cuda)
+        self._ipc_reader = None
 
     def offer(self, request: pb.EncodeRequest, refused: set[str] = frozenset()) -> frozenset[str]:
         """Put the transfer options into `request`, leaving out `refused` paths; returns the paths offered."""
@@ -163,6 +194,9 @@ class EmbeddingReceiver:
         if self.probe is not None and SHARED_MEMORY not in refused:
             request.transfer.CopyFrom(self.probe.options())
             offered.add(SHARED_MEMORY)
+            if self.cuda_ipc and CUDA_IPC not in refused:
+                request.transfer.cuda_ipc = True
+                offered.add(CUDA_IPC)
         return frozenset(offered)
 
     async def take(self, message: pb.Tensor, payload, *, name: str) -> torch.Tensor:
@@ -175,10 +209,27 @@ class EmbeddingReceiver:
             # Out of the received message (read-only, any alignment, kept alive whole by a view),
             # onto the device in the same copy.
             tensor = copy_out(view, self.device)
-        else:
+        elif path == SHARED_MEMORY:
             tensor = await self._read_shared_memory(message, name)
+        else:
+            tensor = await self._read_cuda_ipc(message, name)
         _count(self.metrics, "received", path, payload_nbytes(message))
         return tensor
+
+    async def _read_cuda_ipc(self, message: pb.Tensor, name: str) -> torch.Tensor:
+        if self._ipc_reader is None:
+            from modalmesh.rpc.cuda_ipc import CudaIpcReader
+
+            self._ipc_reader = CudaIpcReader(self.reader)
+        try:
+            if message.cuda_ipc.nbytes <= INLINE_BYTES:
+                return self._ipc_reader.read(message, name=name, device=self.device)
+            return await asyncio.to_thread(self._ipc_reader.read, message, name=name, device=self.device)
+        except (InvalidArgument, SharedMemoryGone) as exc:
+            raise AskAgain(CUDA_IPC, f"{exc}; asking again without CUDA IPC") from None
+        except (OSError, RuntimeError) as exc:
+            self.cuda_ipc = False  # CUDA refused the handle: it would refuse the next one too
+            raise AskAgain(CUDA_IPC, f"CUDA IPC answer unreadable ({exc}); not offering CUDA IPC from now on") from None
 
     async def _read_shared_memory(self, message: pb.Tensor, name: str) -> torch.Tensor:
         try:

@@ -63,7 +63,9 @@ class EncoderService(Service):
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
-        self.sender = EmbeddingSender(shm=self.shm, executor=self._pool, metrics=metrics)
+        # Same-host callers on CUDA too may read answers straight from this GPU (CUDA IPC, on top of shm).
+        self.sender = EmbeddingSender(shm=self.shm, executor=self._pool, metrics=metrics,
+                                      cuda_ipc=torch.device(self.device).type == "cuda")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
