@@ -124,12 +124,14 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
 
 
 def memcpy_seconds(nbytes: int, repeat: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
+    """One single-threaded memcpy (numpy's), as the transfer paths copy: torch's `copy_` goes through its
+    intra-op pool, whose wake-ups dominated a few-MB copy on a busy host (0.2 GB/s measured)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
     times = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
-        dst.copy_(src)
+        np.copyto(dst, src)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
