@@ -10,11 +10,13 @@ and a 2688x2688 image 9216 rows (66 MB). For each image size:
 
 - transfer: Encode of an image the encoder has already cached (no model work), to a tensor in
   the caller: through a plain client (the generated stub and protobuf: the peer), and through the
-  LLM's own `EncoderPool` as message bytes and through shared memory; GB/s = embedding bytes /
-  call time (median of --repeat calls).
+  LLM's own `EncoderPool` as message bytes and through shared memory (to the CPU), and, with
+  CUDA, through CUDA IPC onto the GPU (and shared memory onto the GPU, for comparison);
+  GB/s = embedding bytes / call time (median of --repeat calls).
 - limit: one memcpy of the same bytes in this process.
-- TTFT: Generate(image + text, one output token) on each LLM (shared memory on, and off), the
-  image cached on the encoder, and the transfer's share of it.
+- TTFT: Generate(image + text, one output token) on each LLM (same-host paths on: CUDA IPC on a
+  GPU, shared memory on the CPU; and off), the image cached on the encoder, and the transfer's
+  share of it.
 """
 
 from __future__ import annotations
@@ -89,8 +91,14 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
     from modalmesh.rpc.codec import from_proto
     from services.llm.encoders import EncoderPool
 
-    probe = ShmProbe() if mode == "shm" else None
-    pool = EncoderPool(pb.IMAGE, target, probe=probe)
+    from modalmesh.rpc.transfer import path_of
+
+    probe = ShmProbe() if mode in ("shm", "shm_gpu", "cuda_ipc") else None
+    device = torch.device("cuda") if mode in ("shm_gpu", "cuda_ipc") else None
+    pool = EncoderPool(pb.IMAGE, target, probe=probe, device=device)
+    if mode == "shm_gpu":
+        pool.receiver.cuda_ipc = False
+    want = {"stub": "grpc", "bytes": "grpc", "shm": "shared_memory", "shm_gpu": "shared_memory"}.get(mode, mode)
     channel = aio_channel(target, max_message_bytes=256 << 20)
     stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
     try:
@@ -103,8 +111,9 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
             else:
                 reply, tensor = await pool.encode_one(item, 0, timeout=600)
             times.append(time.perf_counter() - start)
-            if (mode == "shm") != reply.embeddings[0].embedding.HasField("shared_memory"):
-                raise RuntimeError(f"{mode}: the answer took the other path: is /dev/shm shared?")
+            if path_of(reply.embeddings[0].embedding) != want:
+                raise RuntimeError(f"{mode}: the answer took the {path_of(reply.embeddings[0].embedding)} path: "
+                                   "is /dev/shm shared?")
             nbytes = tensor.numel() * tensor.element_size()
         return statistics.median(times[_WARMUP:]), nbytes
     finally:
@@ -115,12 +124,14 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
 
 
 def memcpy_seconds(nbytes: int, repeat: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
+    """One single-threaded memcpy (numpy's), as the transfer paths copy: torch's `copy_` goes through its
+    intra-op pool, whose wake-ups dominated a few-MB copy on a busy host (0.2 GB/s measured)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
     times = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
-        dst.copy_(src)
+        np.copyto(dst, src)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -173,6 +184,9 @@ def main() -> int:
             stub_s, nbytes = asyncio.run(time_encode(vision.target, item, args.repeat, "stub"))
             grpc_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "bytes"))
             shm_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "shm"))
+            gpu = args.device == "cuda"
+            ipc_s = asyncio.run(time_encode(vision.target, item, args.repeat, "cuda_ipc"))[0] if gpu else float("nan")
+            shm_gpu_s = asyncio.run(time_encode(vision.target, item, args.repeat, "shm_gpu"))[0] if gpu else float("nan")
             copy_s = memcpy_seconds(nbytes, args.repeat)
             if side <= args.ttft_max_side:
                 fast_ttft, plain_ttft = ttft(fast.target, item, args.ttft_repeat), ttft(plain.target, item, args.ttft_repeat)
@@ -182,8 +196,9 @@ def main() -> int:
                              stub_ms=stub_s * 1e3, stub_gb_s=nbytes / stub_s / 1e9,
                              grpc_ms=grpc_s * 1e3, grpc_gb_s=nbytes / grpc_s / 1e9,
                              shm_ms=shm_s * 1e3, shm_gb_s=nbytes / shm_s / 1e9,
+                             shm_gpu_ms=shm_gpu_s * 1e3, ipc_ms=ipc_s * 1e3, ipc_gb_s=nbytes / ipc_s / 1e9,
                              memcpy_gb_s=nbytes / copy_s / 1e9,
-                             ttft_shm_ms=fast_ttft * 1e3, shm_share_of_ttft=shm_s / fast_ttft,
+                             ttft_shm_ms=fast_ttft * 1e3, shm_share_of_ttft=(ipc_s if gpu else shm_s) / fast_ttft,
                              ttft_grpc_ms=plain_ttft * 1e3, grpc_share_of_ttft=grpc_s / plain_ttft))
     finally:
         for p in reversed(procs):
@@ -192,11 +207,12 @@ def main() -> int:
     print(f"\ndevice {args.device}; one image's embedding (rows x {HIDDEN} bf16), encoder cache hit, median of "
           f"{args.repeat}")
     print(f"{'image':>10} {'MB':>6} | {'plain gRPC stub (peer)':>22} | {'ours: bytes':>19} | "
-          f"{'ours: shared memory':>19} | {'memcpy':>10} | {'TTFT shm':>9} {'share':>6} | {'TTFT bytes':>10} {'share':>6}")
+          f"{'ours: shared memory':>19} | {'shm -> GPU':>9} | {'CUDA IPC -> GPU':>19} | {'memcpy':>10} | {'TTFT same-host':>14} {'share':>6} | {'TTFT bytes':>10} {'share':>6}")
     for r in rows:
         print(f"{r['side']:>5}x{r['side']:<4} {r['mb']:6.1f} | {r['stub_ms']:8.2f} ms {r['stub_gb_s']:5.2f} GB/s | "
               f"{r['grpc_ms']:6.2f} ms {r['grpc_gb_s']:5.2f} GB/s | {r['shm_ms']:6.2f} ms {r['shm_gb_s']:5.2f} GB/s | "
-              f"{r['memcpy_gb_s']:5.1f} GB/s | {r['ttft_shm_ms']:6.1f} ms {r['shm_share_of_ttft']:6.1%} | "
+              f"{r['shm_gpu_ms']:6.2f} ms | {r['ipc_ms']:6.2f} ms {r['ipc_gb_s']:5.2f} GB/s | "
+              f"{r['memcpy_gb_s']:5.1f} GB/s | {r['ttft_shm_ms']:11.1f} ms {r['shm_share_of_ttft']:6.1%} | "
               f"{r['ttft_grpc_ms']:7.1f} ms {r['grpc_share_of_ttft']:6.1%}")
     return 0
 

@@ -72,7 +72,7 @@ SCHEMA: tuple[MetricSpec, ...] = (
     MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),
     # Embedding transfer between services.
     MetricSpec("modalmesh_transfer_bytes_total", "counter",
-               "Embedding bytes sent or received, by path: grpc (message bytes) or shared_memory (same host).",
+               "Embedding bytes sent or received, by path: grpc (message bytes), shared_memory or cuda_ipc (same host).",
                ("direction", "path")),
     MetricSpec("modalmesh_transfer_seconds", "histogram", "Time to move one tensor payload.",
                ("direction",), _LATENCY),

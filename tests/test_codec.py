@@ -83,3 +83,26 @@ def test_malformed_tensors_raise_invalid_argument(msg, match):
     with pytest.raises(InvalidArgument, match=match) as info:
         from_proto(msg, name="items[0].pcm")
     assert str(info.value).startswith("items[0].pcm:")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_copy_out_owns_its_memory_and_equals_the_source(dtype):
+    from modalmesh.rpc.codec import copy_out
+
+    message = to_proto((torch.arange(24) - 7).to(dtype).reshape(2, 3, 4))
+    view = from_proto(message)  # aliases the message's read-only bytes
+    out = copy_out(view)
+    assert torch.equal(out, view) and out.dtype == dtype and out.shape == (2, 3, 4)
+    assert out.data_ptr() != view.data_ptr()
+    out.add_(1)  # writable: the message's bytes are untouched
+    assert torch.equal(from_proto(message), view) and not torch.equal(out, view)
+    assert copy_out(torch.empty(0, 5, dtype=dtype)).shape == (0, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_out_to_cuda_equals_the_cpu_copy():
+    from modalmesh.rpc.codec import copy_out
+
+    view = from_proto(to_proto(torch.randn(256, 3584).to(torch.bfloat16)))
+    out = copy_out(view, "cuda")
+    assert out.device.type == "cuda" and torch.equal(out.cpu(), copy_out(view))

@@ -230,6 +230,14 @@ def test_bad_image_fails_cleanly_and_names_the_item(vl):
                  sampling=greedy(2))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "items[0].embedding: a shared-memory reference is not accepted" in err.value.details()
+    # Nor at another process's GPU memory: a CUDA IPC handle comes only in encoder answers it asked for.
+    handle = pb.Embedding(embedding=pb.Tensor(dtype=pb.FLOAT32, shape=[1, 8], cuda_ipc=pb.CudaIpcRef(
+        handle=b"\x01" * 64, nbytes=32, storage_size_bytes=32)), num_placeholder_tokens=1)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(llm.target, text=VISION, items=[pb.MultimodalItem(modality=pb.IMAGE, embedding=handle)],
+                 sampling=greedy(2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].embedding: a CUDA IPC handle (cuda_ipc) is not accepted" in err.value.details()
     assert len(generate(llm.target, text="still serving", sampling=greedy(2))) == 2
 
 

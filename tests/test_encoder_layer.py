@@ -10,7 +10,7 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument, ResourceExhausted
 from modalmesh.metrics import Metrics
-from modalmesh.rpc.codec import from_payload, from_proto, to_payload, to_proto
+from modalmesh.rpc.codec import describe, from_proto, to_proto
 from modalmesh.rpc.server import GrpcServer, ServerConfig
 from modalmesh.service import build_parser
 from services.encoder.batcher import Batcher
@@ -76,10 +76,10 @@ def _item(values):
 # -- cache --------------------------------------------------------------------------------------
 def test_cache_is_lru_bounded_in_bytes_and_reports_the_pool():
     metrics = Metrics("audio_encoder", process_metrics=False)
-    tensor, payload = to_payload(torch.ones(4, 3))
-    one = Answer(pb.Embedding(embedding=tensor, num_placeholder_tokens=4), payload)
+    payload = torch.ones(4, 3)
+    one = Answer(pb.Embedding(embedding=describe(payload), num_placeholder_tokens=4), payload)
     size = one.nbytes
-    assert size > len(payload) == 48
+    assert size > 48  # the tensor's bytes and the message's
     cache = EmbeddingCache(2 * size + 1, bytes_per_row=12, metrics=metrics)
     cache.put(b"a", one)
     cache.put(b"b", one)
@@ -87,15 +87,14 @@ def test_cache_is_lru_bounded_in_bytes_and_reports_the_pool():
     cache.put(b"c", one)  # evicts b
     hit = cache.get(b"c")
     assert cache.get(b"b") is None and hit.meta.cache_hit and not one.meta.cache_hit
-    assert hit.payload is payload  # a hit shares the bytes, copies nothing
-    assert torch.equal(from_payload(hit.meta.embedding, hit.payload), torch.ones(4, 3))
+    assert hit.tensor is payload  # a hit shares the tensor, copies nothing
+    assert list(hit.meta.embedding.shape) == [4, 3]
     assert cache.used_bytes == 2 * size and cache.used_rows == 8
     get = metrics.registry.get_sample_value
     labels = {"service": "audio_encoder", "pool": "embedding_cache"}
     assert get("modalmesh_kv_pool_used_tokens", labels) == 8
     assert get("modalmesh_cache_hits_total", labels) == 2 and get("modalmesh_cache_misses_total", labels) == 1
-    tensor, payload = to_payload(torch.ones(100, 3))
-    huge = Answer(pb.Embedding(embedding=tensor, num_placeholder_tokens=100), payload)
+    huge = Answer(pb.Embedding(embedding=describe(torch.ones(100, 3)), num_placeholder_tokens=100), torch.ones(100, 3))
     cache.put(b"huge", huge)  # bigger than the cache: not stored, nothing evicted
     assert len(cache) == 2
 
@@ -251,6 +250,38 @@ def test_repeated_content_with_an_early_key_is_prepared_and_encoded_once(tmp_pat
             assert service.model.prepared == 2 and service.model.batches == [2]
             assert reply.embeddings[0].embedding.data == reply.embeddings[2].embedding.data
             assert from_proto(reply.embeddings[2].embedding).tolist() == [[2.0] * 3, [4.0] * 3]
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+class ViewsModel(DoublingModel):
+    """Answers as views into one batch output (what the encoders may now return, on their device)."""
+
+    def encode(self, batch):
+        self.batches.append(len(batch))
+        packed = (torch.cat([p.inputs["x"] for p in batch]) * 2)[:, None].expand(-1, 3).contiguous()
+        return [EncodedItem(r, valid_length=r.shape[0]) for r in packed.split([p.cost for p in batch])]
+
+
+def test_answers_that_view_one_batch_output_own_their_bytes_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(ToyEncoderService, "model_class", ViewsModel)
+
+    async def body():
+        service, server, port, _ = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                reply = await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0]), _item([5.0] * 7)]))
+            assert from_proto(reply.embeddings[0].embedding).tolist() == [[2.0] * 3, [4.0] * 3]
+            assert from_proto(reply.embeddings[1].embedding).tolist() == [[10.0] * 3] * 7
+            assert service.model.batches == [2]
+            # Each cached answer holds its own rows (2 and 7 of 3 floats), not the 9-row batch output.
+            entries = list(service.cache._entries.values())
+            assert sorted(a.tensor.untyped_storage().nbytes() for a in entries) == [2 * 12, 7 * 12]
+            assert service.cache.used_bytes == sum(12 * a.tensor.shape[0] + a.meta.ByteSize() for a in entries)
         finally:
             await server.stop(0)
             await service.close()

@@ -1,5 +1,8 @@
 """RPC plumbing: tensor codec, server bootstrap, the forwarding servicer, client channels, status mapping.
 
+Embedding transfer: transfer.py (EmbeddingSender / EmbeddingReceiver: paths, thresholds, fallbacks,
+metric labels) over shm.py (same-host shared memory) and wire.py (bytes spliced past protobuf).
+
 Names are loaded on first use, so `modalmesh.rpc.channel` (health probes, clients) does not pull
 in torch through the codec: a container healthcheck runs every few seconds.
 """

@@ -27,6 +27,7 @@ tracker unlinks objects when any process that touched them exits.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import fcntl
 import logging
@@ -175,12 +176,30 @@ class _Slab:
             raise
         self.capacity = capacity
         self.deadline = math.inf  # when an unreturned lease is given up on
+        self.registered: int | None = None  # the page-locked address; 0: refused; None: not tried
+
+    def host_register(self) -> bool:
+        """Page-lock the mapping for the CUDA driver once (a device copy into it is then a DMA, not a
+        staged memcpy); False where CUDA refuses (it is then copied into as pageable memory)."""
+        if self.registered is None:
+            self.registered = 0
+            try:
+                view = (ctypes.c_char * 1).from_buffer(self.map)
+                pointer = ctypes.addressof(view)
+                del view  # no export may outlive this: the map must stay closable
+                if int(torch.cuda.cudart().cudaHostRegister(pointer, self.capacity, 0)) == 0:
+                    self.registered = pointer
+            except Exception as exc:  # noqa: BLE001 - an optimisation only
+                log.info("shared-memory slab not page-locked: %s", exc)
+        return bool(self.registered)
 
     def returned(self) -> bool:
         return _word(self.map, _LEASE) == _word(self.map, _RETURNED)
 
     def close(self) -> None:
         _unlink(self.path)
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
         self.map.close()
         os.close(self.fd)
 
@@ -249,7 +268,7 @@ class ShmExporter:
             # Reuse a returned slab that fits without wasting more than half of it.
             fitting = [s for s in self._slabs if s.returned() and need <= s.capacity <= max(2 * need, _MIN_SLAB)]
             slab = min(fitting, key=lambda s: s.capacity, default=None)
-            capacity = _size_class(need)
+            capacity = _size_class(need) if need > HEADER else mmap.PAGESIZE  # a lease alone: one page
             if slab is None and capacity <= self.max_bytes:
                 idle = sorted((s for s in self._slabs if s.returned()), key=lambda s: s.capacity)
                 while idle and self.slab_bytes + capacity > self.max_bytes:  # make room from idle slabs
@@ -277,14 +296,27 @@ class ShmExporter:
             with self._lock:
                 self._reserved -= capacity
 
-    def export(self, meta: pb.Tensor, data: bytes) -> pb.Tensor | None:
-        """A Tensor of `meta`'s dtype and shape whose bytes (`data`) are in a slab, or None when there is
-        no room (send bytes)."""
-        slab = self._take_slab(HEADER + len(data))
+    def export(self, meta: pb.Tensor, data, *, ready=None) -> pb.Tensor | None:
+        """A Tensor of `meta`'s dtype and shape whose bytes are in a slab, or None when there is no room
+        (send bytes). `data`: the bytes, or a tensor (on any device; a CUDA one is copied straight into
+        the slab, after `ready`, its CUDA event)."""
+        from modalmesh.rpc.codec import copy_to_host  # codec imports nothing from here
+
+        size = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+        slab = self._take_slab(HEADER + size)
         if slab is None:
             return None
         lease = secrets.randbits(64) or 1
-        slab.map[HEADER:HEADER + len(data)] = data
+        try:
+            if not isinstance(data, torch.Tensor):
+                slab.map[HEADER:HEADER + size] = data
+            elif size:
+                if data.device.type == "cuda":
+                    slab.host_register()
+                copy_to_host(data, torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=HEADER), ready)
+        except BaseException:
+            slab.close()  # half written: never handed out
+            raise
         slab.map[_LEASE] = lease.to_bytes(8, "little")  # after the bytes; its reader cannot be mid-copy
         slab.deadline = time.monotonic() + self.ttl_s
         with self._lock:
@@ -295,7 +327,17 @@ class ShmExporter:
             slab.close()
             return None
         return pb.Tensor(dtype=meta.dtype, shape=meta.shape, shared_memory=pb.SharedMemoryRef(
-            name=slab.name, nbytes=len(data), offset=HEADER, lease=lease))
+            name=slab.name, nbytes=size, offset=HEADER, lease=lease))
+
+    def lease_live(self, name: str, lease: int) -> bool:
+        """Whether the slab `name` still holds `lease`, not yet handed back nor past its TTL (the CUDA IPC
+        exporter keeps a tensor alive exactly that long)."""
+        now = time.monotonic()
+        with self._lock:
+            for s in self._slabs:
+                if s.name == name:
+                    return _word(s.map, _LEASE) == lease and not s.returned() and s.deadline > now
+        return False
 
     def close(self) -> None:
         with self._lock:
@@ -375,14 +417,12 @@ class ShmReader:
         gone or holds other content, and OSError when it cannot be opened: the caller asks again
         for bytes.
         """
-        from modalmesh.rpc.codec import TORCH_DTYPES, dtype_name  # codec imports nothing from here
+        from modalmesh.rpc.codec import TORCH_DTYPES, copy_out, dtype_name  # codec imports nothing from here
 
         ref = message.shared_memory
         dtype = TORCH_DTYPES.get(message.dtype)
         if dtype is None:
             raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
-        if not _EMB_NAME.fullmatch(ref.name):
-            raise InvalidArgument(f"{name}: shared-memory name {ref.name!r} is not one modalmesh writes")
         shape = tuple(int(d) for d in message.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
@@ -390,25 +430,34 @@ class ShmReader:
         if ref.nbytes != expected:
             raise InvalidArgument(f"{name}: shared memory holds {ref.nbytes} bytes but shape {list(shape)} of "
                                   f"{dtype_name(message.dtype)} needs {expected}")
-        if ref.offset < HEADER or ref.lease == 0:
-            raise InvalidArgument(f"{name}: shared-memory ref has offset {ref.offset} and lease {ref.lease}")
-        try:
-            view = self._map(ref.name, ref.offset + expected, name)
-        except FileNotFoundError as exc:
-            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} is gone") from exc
-        if _word(view, _LEASE) != ref.lease or _word(view, _RETURNED) == ref.lease:
-            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} holds other content now")
+        view = self.leased(ref, expected, name)
         target = torch.device(device) if device is not None else torch.device("cpu")
         if expected:
             src = torch.frombuffer(view, dtype=torch.uint8, count=expected, offset=ref.offset)
-            out = src.to(target, copy=True) if target.type != "cpu" else src.clone()
-            if target.type == "cuda":
-                torch.cuda.current_stream(target).synchronize()  # the bytes are out before the slab goes back
+            out = copy_out(src, target)  # the bytes are out before the slab goes back
             del src
         else:
             out = torch.empty(0, dtype=torch.uint8, device=target)
         view[_RETURNED] = ref.lease.to_bytes(8, "little")  # hand back; a stale lease here frees nothing
         return out.view(dtype).reshape(shape)
+
+    def leased(self, ref: pb.SharedMemoryRef, nbytes: int, name: str) -> mmap.mmap:
+        """The mapping of `ref`'s slab, holding `nbytes` at its offset under its lease, still live."""
+        if not _EMB_NAME.fullmatch(ref.name):
+            raise InvalidArgument(f"{name}: shared-memory name {ref.name!r} is not one modalmesh writes")
+        if ref.offset < HEADER or ref.lease == 0:
+            raise InvalidArgument(f"{name}: shared-memory ref has offset {ref.offset} and lease {ref.lease}")
+        try:
+            view = self._map(ref.name, ref.offset + nbytes, name)
+        except FileNotFoundError as exc:
+            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} is gone") from exc
+        if _word(view, _LEASE) != ref.lease or _word(view, _RETURNED) == ref.lease:
+            raise SharedMemoryGone(f"{name}: shared-memory object {ref.name} holds other content now")
+        return view
+
+    def hand_back(self, ref: pb.SharedMemoryRef, name: str = "tensor") -> None:
+        """Tell the producer that `ref`'s content (or what its lease guards) is no longer read."""
+        self.leased(ref, 0, name)[_RETURNED] = ref.lease.to_bytes(8, "little")
 
     def close(self) -> None:
         with self._lock:

@@ -34,12 +34,14 @@ class EncodeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[EncodeItem, _Mapping]]] = ..., request_id: _Optional[str] = ..., transfer: _Optional[_Union[TransferOptions, _Mapping]] = ...) -> None: ...
 
 class TransferOptions(_message.Message):
-    __slots__ = ("shm_probe", "shm_nonce")
+    __slots__ = ("shm_probe", "shm_nonce", "cuda_ipc")
     SHM_PROBE_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     shm_probe: str
     shm_nonce: bytes
-    def __init__(self, shm_probe: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    cuda_ipc: bool
+    def __init__(self, shm_probe: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., cuda_ipc: bool = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("embedding", "grid_thw", "num_placeholder_tokens", "valid_length", "cache_hit")

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19modalmesh/v1/tensor.proto\x12\x0cmodalmesh.v1\"\x7f\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.modalmesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.modalmesh.v1.SharedMemoryRef\"N\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05lease\x18\x04 \x01(\x06*\x86\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT16\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x12\x08\n\x04\x42OOL\x10\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19modalmesh/v1/tensor.proto\x12\x0cmodalmesh.v1\"\xab\x01\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.modalmesh.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x34\n\rshared_memory\x18\x04 \x01(\x0b\x32\x1d.modalmesh.v1.SharedMemoryRef\x12*\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x18.modalmesh.v1.CudaIpcRef\"N\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05lease\x18\x04 \x01(\x06\"\x9f\x02\n\nCudaIpcRef\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x0e\n\x06offset\x18\t \x01(\x04\x12\x0e\n\x06nbytes\x18\n \x01(\x04\x12,\n\x05lease\x18\x0b \x01(\x0b\x32\x1d.modalmesh.v1.SharedMemoryRef*\x86\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT16\x10\x06\x12\x08\n\x04INT8\x10\x07\x12\t\n\x05UINT8\x10\x08\x12\x08\n\x04\x42OOL\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'modalmesh.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=253
-  _globals['_DTYPE']._serialized_end=387
-  _globals['_TENSOR']._serialized_start=43
-  _globals['_TENSOR']._serialized_end=170
-  _globals['_SHAREDMEMORYREF']._serialized_start=172
-  _globals['_SHAREDMEMORYREF']._serialized_end=250
+  _globals['_DTYPE']._serialized_start=588
+  _globals['_DTYPE']._serialized_end=722
+  _globals['_TENSOR']._serialized_start=44
+  _globals['_TENSOR']._serialized_end=215
+  _globals['_SHAREDMEMORYREF']._serialized_start=217
+  _globals['_SHAREDMEMORYREF']._serialized_end=295
+  _globals['_CUDAIPCREF']._serialized_start=298
+  _globals['_CUDAIPCREF']._serialized_end=585
 # @@protoc_insertion_point(module_scope)

@@ -1,18 +1,22 @@
 """An LRU cache of finished embeddings, bounded in bytes.
 
 Keys are the model's cache keys (content hash + preprocessing parameters); values
-are `Answer`s (the Embedding without its bytes, and the bytes), so a hit returns
-the very bytes a miss produced, costs no re-encoding and copies nothing: the
-bytes object is immutable and shared. It reports under the shared pool schema
+are `Answer`s (the Embedding without its bytes, and the embedding tensor, where the
+model left it: on its device), so a hit returns the very tensor a miss produced,
+costs no re-encoding and copies nothing (nobody writes into an answer's tensor; the
+transport reads it). The byte budget counts the tensors' bytes, on the device or
+the host. It reports under the shared pool schema
 (pool="embedding_cache"): capacity and used rows, bytes, hits and misses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
-
 from dataclasses import dataclass
+
+import torch
 
 from modalmesh import pb
 from modalmesh.metrics import Metrics
@@ -22,14 +26,16 @@ POOL = "embedding_cache"
 
 @dataclass(frozen=True)
 class Answer:
-    """One item's answer before it goes on the wire: the Embedding without its tensor bytes, and the bytes."""
+    """One item's answer before it goes on the wire: the Embedding without its tensor bytes, and the tensor,
+    which owns its memory (no view into a larger batch output that the cache would keep alive unseen)."""
 
     meta: pb.Embedding  # meta.embedding has dtype and shape, no data
-    payload: bytes
+    tensor: torch.Tensor  # on the model's device or the host; read, never written
+    ready: "torch.cuda.Event | None" = None  # recorded after the tensor was made (CUDA): copies wait for it
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + self.meta.ByteSize()
+        return self.tensor.numel() * self.tensor.element_size() + self.meta.ByteSize()
 
 
 class EmbeddingCache:
@@ -66,7 +72,7 @@ class EmbeddingCache:
         meta = pb.Embedding()
         meta.CopyFrom(entry.meta)  # small: no tensor bytes in it
         meta.cache_hit = True
-        return Answer(meta, entry.payload)
+        return dataclasses.replace(entry, meta=meta)
 
     def put(self, key: bytes, answer: Answer) -> None:
         size = answer.nbytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,10 +19,10 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import payload_nbytes, to_payload
-from modalmesh.rpc import wire
+from modalmesh.rpc.codec import describe, nbytes
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
+from modalmesh.rpc.transfer import EmbeddingSender
 from modalmesh.service import Service
 from services.encoder.batcher import Batcher
 from services.encoder.cache import Answer, EmbeddingCache
@@ -30,16 +31,13 @@ from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
 
-_INLINE_BYTES = 4 << 20  # answers this small are put on the wire on the event loop
-
-
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 def add_encoder_service(servicer, server) -> None:
     """The generated registration, except that Encode may return its wire bytes already made
-    (`_wire` splices the embeddings' bytes in with one copy instead of protobuf's two)."""
+    (the sender splices the embeddings' bytes in with one copy instead of protobuf's two)."""
     handlers = {
         "Encode": grpc.unary_unary_rpc_method_handler(
             servicer.Encode, request_deserializer=pb.EncodeRequest.FromString, response_serializer=_serialize),
@@ -65,6 +63,9 @@ class EncoderService(Service):
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
+        # Same-host callers on CUDA too may read answers straight from this GPU (CUDA IPC, on top of shm).
+        self.sender = EmbeddingSender(shm=self.shm, executor=self._pool, metrics=metrics,
+                                      cuda_ipc=torch.device(self.device).type == "cuda")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -117,16 +118,27 @@ class EncoderService(Service):
 
     # -- Encode -----------------------------------------------------------------------------
     def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer]:
-        """Worker thread: one model call, then the answers (tensor bytes copied off the device here).
+        """Worker thread: one model call, then the answers, left where the model made them (on its device):
+        the transport copies each one once, by the path its caller takes (modalmesh.rpc.transfer).
         One forward has no point to stop at: `abandoned` is not consulted."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
-        answers = []
-        for r in results:
-            tensor, payload = to_payload(r.embedding)
-            meta = pb.Embedding(embedding=tensor, grid_thw=list(r.grid_thw),
-                                num_placeholder_tokens=int(r.embedding.shape[0]), valid_length=int(r.valid_length))
-            answers.append(Answer(meta, payload))
+            answers = []
+            for r in results:
+                tensor = r.embedding.detach()
+                if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != nbytes(tensor):
+                    # A view into the batch's output: its own copy (on the device), so the cache holds and
+                    # counts exactly its bytes, not the whole batch's.
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
+                meta = pb.Embedding(embedding=describe(tensor), grid_thw=list(r.grid_thw),
+                                    num_placeholder_tokens=int(tensor.shape[0]), valid_length=int(r.valid_length))
+                answers.append(Answer(meta, tensor))
+            devices = {a.tensor.device for a in answers if a.tensor.device.type == "cuda"}
+            if devices:
+                ready = torch.cuda.Event()
+                # On the stream the batch ran on, after it: transfer copies wait for this alone.
+                ready.record(torch.cuda.current_stream(next(iter(devices))))
+                answers = [dataclasses.replace(a, ready=ready) for a in answers]
         return answers
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
@@ -177,36 +189,8 @@ class EncoderService(Service):
                     out[i] = answer
         for i, j in repeats.items():
             out[i] = out[j]
-        shared = self.shm is not None and request.HasField("transfer") and self.shm.peer_shares(request.transfer)
         response = pb.EncodeResponse(model_id=self.model_id, weights_fingerprint=self.weights_fingerprint,
                                      modality=self.modality)
-        if not shared or sum(len(a.payload) for a in out) <= _INLINE_BYTES:
-            payloads = self._wire(response, out, shared)  # a thread hop would cost more than the copies
-        else:
-            payloads = await loop.run_in_executor(self._pool, self._wire, response, out, shared)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        sent = {"grpc": 0, "shared_memory": 0}
-        for e in response.embeddings:
-            sent["shared_memory" if e.embedding.HasField("shared_memory") else "grpc"] += payload_nbytes(e.embedding)
-        for path, nbytes in sent.items():
-            if nbytes:
-                self.metrics.transfer_bytes_total.labels(direction="sent", path=path).inc(nbytes)
-        if not any(payloads):
-            return response
-        if sent["grpc"] <= _INLINE_BYTES:
-            return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
-        return await loop.run_in_executor(self._pool, wire.inject, response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
-
-    def _wire(self, response: pb.EncodeResponse, answers: list[Answer], shared: bool) -> list[bytes | None]:
-        """The answers into `response` without their bytes; returns the bytes each one still needs in
-        the message (None where they went into shared memory)."""
-        payloads = []
-        for a in answers:
-            ref = self.shm.export(a.meta.embedding, a.payload) if shared else None
-            e = response.embeddings.add()
-            e.CopyFrom(a.meta)
-            if ref is not None:
-                e.embedding.CopyFrom(ref)
-            payloads.append(None if ref is not None else a.payload)
-        return payloads
+        return await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)

@@ -7,7 +7,8 @@
     config.py       LLMConfig: every setting, one frozen value built from the flags, replaced per rank
     server.py       LLMService: the gRPC servicer; tokenise, validate, resolve items, stream deltas
     inputs.py       request -> typed prompt: tokenisation, placeholder runs, rows counted before encoding
-    encoders.py     the encoder pools (round_robin, shared memory or bytes) and their fan-out
+    embedding.py    Embedding: every item's embedding (a client's or an encoder's) as one value on the device
+    encoders.py     the encoder pools (round_robin; paths and fallbacks from modalmesh.rpc.transfer), the fan-out
     engine.py       LLMEngine: the worker thread, one step ahead (schedule and submit step N+1, then
                     read back, detokenise and emit step N)
     request.py      RequestState and Delta: one request inside the engine

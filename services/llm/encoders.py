@@ -8,12 +8,12 @@ replica while the deadline allows. Every answer is checked before it is
 spliced: it must come from the same checkpoint (weights fingerprint) and have
 the right modality; the splicer then checks width, dtype and row count.
 
-With a `ShmProbe`, each call offers the same-host path (modalmesh.rpc.shm): an
-encoder that shares this host's /dev/shm answers with shared-memory refs, copied
-out here (off the event loop when large). A ref that is gone or stale gets that
-item asked again as bytes; one that cannot be read at all (not this user's)
-turns the path off for the pool. Answers with bytes are parsed without them
-(modalmesh.rpc.wire): the embedding is a view into the received buffer.
+How an answer's embedding travels (message bytes, or the same-host paths), what each
+call offers and what happens when a path fails are modalmesh.rpc.transfer's
+(`EmbeddingReceiver`); this module asks again when it says so. Answers are parsed
+without their bytes (modalmesh.rpc.wire): the embedding is read from a view into the
+received buffer. Every embedding leaves here as one `Embedding` value on the LLM's
+device, a client's precomputed ones included.
 """
 
 from __future__ import annotations
@@ -30,18 +30,16 @@ from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgume
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import dtype_name, from_payload, payload_nbytes
+from modalmesh.rpc.codec import dtype_name
 from modalmesh.rpc.security import Security
-from modalmesh.rpc.shm import SharedMemoryGone, ShmProbe, ShmReader
+from modalmesh.rpc.shm import ShmProbe, ShmReader
+from modalmesh.rpc.transfer import AskAgain, EmbeddingReceiver, path_of
+from services.llm.embedding import FLOAT_WIRE, Embedding, from_client
 
 log = logging.getLogger(__name__)
 
 FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}
 _MAX_ATTEMPTS = 4
-_INLINE_BYTES = 4 << 20  # shared-memory answers this small are copied out on the event loop
-
-
-_FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 
 class _Unparseable:
@@ -68,9 +66,9 @@ class EncoderPool:
 
     def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB,
                  probe: ShmProbe | None = None, reader: ShmReader | None = None,
-                 device: torch.device | None = None, security: Security | None = None):
+                 device: torch.device | None = None, security: Security | None = None, metrics: Metrics | None = None):
         self.modality = modality
-        self.device = device  # where embeddings read from shared memory go (the LLM's device)
+        self.device = device  # where embeddings go (the LLM's device); None: the CPU
         self.target = target
         self.channel = aio_channel(target, max_message_bytes=max_message_bytes, security=security)
         # Encode's answer is parsed without its embeddings' bytes, which stay views into the
@@ -78,8 +76,12 @@ class EncoderPool:
         self._encode = self.channel.unary_unary(
             f"/{pb.ENCODER_SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString,
             response_deserializer=_parse_encode_response)
-        self.probe = probe
-        self.reader = reader if reader is not None else ShmReader()
+        self.receiver = EmbeddingReceiver(probe=probe, reader=reader, device=device, metrics=metrics)
+
+    @property
+    def probe(self) -> ShmProbe | None:
+        """The shared-memory probe this pool still offers (None once the path is off)."""
+        return self.receiver.probe
 
     async def encode_one(self, item: pb.EncodeItem, index: int,
                          timeout: float) -> tuple[pb.EncodeResponse, torch.Tensor | None]:
@@ -87,15 +89,14 @@ class EncoderPool:
         """The encoder's answer for one item (without the embedding's bytes) and the embedding."""
         deadline = time.monotonic() + timeout
         attempt = 0
-        offer = True  # off for this item after a shared-memory answer went stale
+        refused: set[str] = set()  # paths that failed for this item: it is asked again without them
         while attempt < _MAX_ATTEMPTS:
             attempt += 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             request = pb.EncodeRequest(items=[item])
-            if offer and self.probe is not None:
-                request.transfer.CopyFrom(self.probe.options())
+            offered = self.receiver.offer(request, refused)
             try:
                 # Not wait_for_ready: with every replica down (the channel in TRANSIENT_FAILURE) the call fails
                 # at once instead of holding the request to its deadline; while connecting it still waits.
@@ -120,64 +121,49 @@ class EncoderPool:
             if len(reply.embeddings) != 1:
                 return reply, None  # a count the fan-out refuses
             meta = reply.embeddings[0].embedding
-            if meta.dtype not in _FLOAT_WIRE:
+            if meta.dtype not in FLOAT_WIRE:
                 raise ModalmeshError(f"items[{index}]: encoder {self.target} sent an embedding of dtype "
                                      f"{dtype_name(meta.dtype)}, not a float one")
-            if not meta.HasField("shared_memory"):
-                try:
-                    data = payloads[0] if payloads[0] is not None else meta.data
-                    view = from_payload(meta, data, name=f"items[{index}].embedding")
-                    # Out of the received message (read-only, any alignment, kept alive whole by a view),
-                    # onto the LLM's device in the same copy.
-                    return reply, view.to(self.device, copy=True) if self.device is not None else view.clone()
-                except InvalidArgument as exc:
-                    raise ModalmeshError(f"encoder {self.target} sent a malformed embedding: {exc}") from None
-            if not request.HasField("transfer"):
-                raise ModalmeshError(f"items[{index}]: encoder {self.target} answered with shared memory unasked")
+            if path_of(meta) not in offered:
+                raise ModalmeshError(f"items[{index}]: encoder {self.target} answered by {path_of(meta)} unasked")
             try:
-                message, where = reply.embeddings[0].embedding, f"items[{index}].embedding"
-                if message.shared_memory.nbytes <= _INLINE_BYTES:  # a thread hop would cost more than the copy
-                    tensor = self.reader.read(message, name=where, device=self.device)
-                else:
-                    tensor = await asyncio.to_thread(self.reader.read, message, name=where, device=self.device)
-            except (InvalidArgument, SharedMemoryGone) as exc:
-                # A late read (the slab was retired) or a malformed ref: this item again, as bytes.
-                log.warning("encoder %s: %s; asking again for bytes", self.target, exc)
-                offer = False
-                attempt -= 1
-                continue
-            except OSError as exc:
-                log.warning("encoder %s: shared-memory answer unreadable (%s); using message bytes from now on",
-                            self.target, exc)
-                self.probe = None
-                attempt -= 1  # not the replica's fault: ask again as bytes
+                tensor = await self.receiver.take(meta, payloads[0], name=f"items[{index}].embedding")
+            except InvalidArgument as exc:
+                raise ModalmeshError(f"encoder {self.target} sent a malformed embedding: {exc}") from None
+            except AskAgain as exc:
+                log.warning("encoder %s: %s", self.target, exc)
+                refused.add(exc.path)
+                attempt -= 1  # not the replica's fault
                 continue
             return reply, tensor
         raise DeadlineExceeded(f"items[{index}]: no encoder replica answered before the deadline")
 
     async def close(self) -> None:
         await self.channel.close()
-        self.reader.close()
+        self.receiver.close()
 
 
 class EncoderFanout:
     def __init__(self, pools: dict[int, EncoderPool], *, fingerprint: str, check_fingerprint: bool,
-                 default_timeout: float, metrics: Metrics, probe: ShmProbe | None = None):
+                 default_timeout: float, metrics: Metrics, probe: ShmProbe | None = None,
+                 device: torch.device | None = None):
         self.pools = pools
         self.probe = probe  # shared by the pools; removed on close
         self.fingerprint = fingerprint
         self.check_fingerprint = check_fingerprint
         self.default_timeout = default_timeout
         self.metrics = metrics
+        self.device = device  # where clients' embeddings go (the encoders' go there through their pools)
 
-    async def resolve(self, items: list[pb.MultimodalItem],
-                      timeout: float | None) -> tuple[list[pb.MultimodalItem], dict[int, torch.Tensor]]:
-        """Items with raw input replaced by their encoders' answers (the rest unchanged), and those
-        answers' embeddings by item index: the messages carry no bytes (shared memory, or views
-        into the received buffer)."""
-        todo = [(i, item) for i, item in enumerate(items) if item.WhichOneof("source") == "input"]
+    async def resolve(self, items: list[pb.MultimodalItem], timeout: float | None) -> list[Embedding]:
+        """Every item's `Embedding`, in order: a client's decoded here (before any Encode, so a malformed
+        one is refused first), raw input through its encoder pool."""
+        out: list[Embedding | None] = [
+            from_client(item, i, self.device) if item.WhichOneof("source") != "input" else None
+            for i, item in enumerate(items)]
+        todo = [(i, item) for i, item in enumerate(items) if out[i] is None]
         if not todo:
-            return items, {}
+            return out
         for i, item in todo:
             if item.modality not in self.pools:
                 flag = FLAGS.get(item.modality, "an encoder flag")
@@ -194,17 +180,10 @@ class EncoderFanout:
                 task.cancel()  # one item failed or the caller went away: stop the rest
             raise
         self.metrics.transfer_seconds.labels(direction="received").observe(time.perf_counter() - started)
-        out = list(items)
-        decoded: dict[int, torch.Tensor] = {}
         for (i, item), (reply, tensor) in zip(todo, replies):
             self._check(reply, item.modality, i)
-            embedding = reply.embeddings[0]
-            decoded[i] = tensor
-            path = "shared_memory" if embedding.embedding.HasField("shared_memory") else "grpc"
-            self.metrics.transfer_bytes_total.labels(direction="received", path=path).inc(
-                payload_nbytes(embedding.embedding))
-            out[i] = pb.MultimodalItem(modality=item.modality, embedding=embedding)
-        return out, decoded
+            out[i] = Embedding.of(reply.embeddings[0], tensor, item.modality)
+        return out
 
     def _check(self, reply: pb.EncodeResponse, modality: int, index: int) -> None:
         name = pb.Modality.Name(modality).lower()

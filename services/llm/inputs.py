@@ -18,10 +18,8 @@ from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import InvalidArgument
 from modalmesh.image_grid import ImageGrid
-from modalmesh.rpc.codec import dtype_name, from_proto
+from services.llm.embedding import Embedding
 from services.llm.mrope import mrope_positions
-
-_FLOAT_WIRE = {pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16}
 
 
 @dataclass
@@ -99,29 +97,7 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
     raise InvalidArgument("prompt: give text, token_ids or chat")
 
 
-def _embedding(item: pb.MultimodalItem, index: int, hidden_size: int,
-               decoded: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
-    if item.WhichOneof("source") != "embedding":  # raw input was encoded before splicing (encoders.py)
-        raise InvalidArgument(f"items[{index}]: no embedding")
-    message = item.embedding.embedding
-    if message.dtype not in _FLOAT_WIRE:
-        raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(message.dtype)} is not a float type "
-                              "(FLOAT32, FLOAT16, BFLOAT16)")
-    tensor = decoded if decoded is not None else from_proto(message, name=f"items[{index}].embedding")
-    if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
-        raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
-                              f"(rows, {hidden_size})")
-    if tensor.shape[0] == 0:
-        raise InvalidArgument(f"items[{index}].embedding has no rows")
-    if not bool(torch.isfinite(tensor).all()):  # they would reach every logit of the request: NaN logprobs
-        raise InvalidArgument(f"items[{index}].embedding contains NaN or infinite values")
-    rows = item.embedding.num_placeholder_tokens
-    if rows and rows != tensor.shape[0]:
-        raise InvalidArgument(f"items[{index}]: num_placeholder_tokens {rows} != embedding rows {tensor.shape[0]}")
-    return tensor, tuple(item.embedding.grid_thw)
-
-
-def check_modalities(items: list[pb.MultimodalItem], cfg: ModelConfig) -> None:
+def check_modalities(items: list[pb.MultimodalItem] | list[Embedding], cfg: ModelConfig) -> None:
     """Refuse items this checkpoint cannot take, before anything is sent to an encoder."""
     placeholders = placeholder_ids(cfg)
     for i, item in enumerate(items):
@@ -130,7 +106,7 @@ def check_modalities(items: list[pb.MultimodalItem], cfg: ModelConfig) -> None:
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
 
 
-def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem],
+def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem] | list[Embedding],
                       placeholders: dict[int, int]) -> dict[int, list[tuple[int, int, int]]]:
     """Runs of placeholder tokens, (modality, start, length) in prompt order, by modality; one per item."""
     runs: list[tuple[int, int, int]] = []
@@ -197,28 +173,25 @@ def _rows_before_encoding(item: pb.MultimodalItem, length: int, grid: ImageGrid 
         return 1
 
 
-def splice_items(ids: list[int], items: list[pb.MultimodalItem], cfg: ModelConfig,
-                 *, uses_mrope: bool, spatial_merge: int = 2,
-                 decoded: dict[int, torch.Tensor] | None = None) -> PreparedPrompt:
-    """Match items to placeholder runs, expand runs of one, check counts, compute M-RoPE positions.
-
-    `decoded` holds embeddings already read by the encoder fan-out (shared memory), by item index.
-    """
-    decoded = decoded or {}
+def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
+                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
+    """Match each item's embedding to its placeholder run, expand runs of one, check counts, compute
+    M-RoPE positions. `embeddings` are the request's items, in order, as the fan-out resolved them."""
     placeholders = placeholder_ids(cfg)
-    check_modalities(items, cfg)
-    by_modality = _placeholder_runs(ids, items, placeholders)
+    check_modalities(embeddings, cfg)
+    by_modality = _placeholder_runs(ids, embeddings, placeholders)
     # Pair the n-th item of a modality with its n-th run, then rebuild the ids with runs expanded.
     next_run = {m: iter(by_modality[m]) for m in placeholders}
     pairs = []
-    for i, item in enumerate(items):
-        emb, grid = _embedding(item, i, cfg.hidden_size, decoded.get(i))
+    for i, item in enumerate(embeddings):
+        item.check(i, cfg.hidden_size)
+        emb = item.tensor
         _, start, length = next(next_run[item.modality])
         rows = emb.shape[0]
         if length not in (1, rows):
             raise InvalidArgument(f"items[{i}]: the prompt has {length} placeholder tokens for it but its embedding "
                                   f"has {rows} rows")
-        pairs.append((start, length, emb, grid, item.modality))
+        pairs.append((start, length, emb, item.grid_thw, item.modality))
     pairs.sort(key=lambda p: p[0])
     out: list[int] = []
     spans: list[MultimodalSpan] = []

@@ -68,11 +68,12 @@ class LLMService(Service):
         probe = ShmProbe() if targets and enc.shared_memory and shm_available() else None
         reader = ShmReader() if probe is not None else None
         pools = {modality: EncoderPool(modality, target, max_message_bytes=enc.max_message_bytes, probe=probe,
-                                       reader=reader, device=self.device, security=enc.security)
+                                       reader=reader, device=self.device, security=enc.security,
+                                       metrics=self.metrics)
                  for modality, target in targets}
         self.fanout = EncoderFanout(pools, fingerprint=self.weights_fingerprint,
                                     check_fingerprint=not enc.allow_foreign, default_timeout=enc.timeout_s,
-                                    metrics=self.metrics, probe=probe)
+                                    metrics=self.metrics, probe=probe, device=self.device)
         self.engine.start()
 
     def _load(self) -> None:
@@ -144,9 +145,9 @@ class LLMService(Service):
                 raise InvalidArgument(f"the prompt takes at least {need} tokens with its items' rows (counted "
                                       f"before encoding){f' + max_tokens {params.max_tokens}' if params.max_tokens else ''}"
                                       f"; this model's limit is {limit} tokens (prompt + output)")
-        items, decoded = await self.fanout.resolve(items, timeout)
-        prompt = splice_items(ids, items, cfg, uses_mrope=self.engine.runner.uses_mrope,
-                              spatial_merge=self.spatial_merge, decoded=decoded)
+        embeddings = await self.fanout.resolve(items, timeout)  # each on self.device
+        prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.engine.runner.uses_mrope,
+                              spatial_merge=self.spatial_merge)
         for span in prompt.spans:
             span.embedding = span.embedding.to(self.device, self.dtype)
         loop = asyncio.get_running_loop()

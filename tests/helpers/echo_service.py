@@ -37,6 +37,9 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         # holds other content by the time the client reads it.
         self.shared_memory = None
         self.planted: list[str] = []  # files the "fifo" mode made, for the test to remove
+        # An ShmExporter: requests that offer CUDA IPC get a ref with a made-up handle and a real lease.
+        self.cuda_ipc = None
+        self.cuda_ipc_offers = 0
 
     async def Encode(self, request, context):
         self.encode_calls += 1
@@ -53,7 +56,13 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         reply = pb.EncodeResponse(model_id=self.name)
         if tensor is not None:
             message = to_proto(tensor)
-            if request.HasField("transfer") and self.shared_memory in ("gone", "fifo"):
+            if request.transfer.cuda_ipc and self.cuda_ipc is not None:  # a made-up handle: the client's reader is faked
+                lease = self.cuda_ipc.export(pb.Tensor(dtype=pb.UINT8, shape=[0]), b"")
+                self.cuda_ipc_offers += 1
+                message = pb.Tensor(dtype=message.dtype, shape=message.shape, cuda_ipc=pb.CudaIpcRef(
+                    handle=b"\x07" * 64, nbytes=len(message.data), storage_size_bytes=len(message.data),
+                    lease=lease.shared_memory))
+            elif request.HasField("transfer") and self.shared_memory in ("gone", "fifo"):
                 name = "modalmesh-emb-" + secrets.token_hex(16)
                 if self.shared_memory == "fifo":  # not a regular file: unreadable, not merely gone
                     os.mkfifo(f"/dev/shm/{name}")

@@ -1,0 +1,63 @@
+"""`Embedding`: one item's embedding as the LLM splices it, whatever brought it here.
+
+A client's precomputed embedding (`MultimodalItem.embedding`, decoded here with the codec,
+which refuses same-host refs) and an encoder's answer (read by
+modalmesh.rpc.transfer.EmbeddingReceiver, by whichever path it took) both become this one
+value at the boundary, so the splicer never sees a proto, a path or a side table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument
+from modalmesh.rpc.codec import WIRE_DTYPES, dtype_name, from_proto
+
+FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+
+
+@dataclass(frozen=True)
+class Embedding:
+    tensor: torch.Tensor  # (rows, hidden), on the LLM's device (a CPU one may alias a client's message)
+    modality: int
+    grid_thw: tuple[int, ...] = ()
+    valid_length: int = 0
+    num_placeholder_tokens: int = 0  # 0: not stated; otherwise it must equal the rows
+
+    @classmethod
+    def of(cls, message: pb.Embedding, tensor: torch.Tensor, modality: int) -> "Embedding":
+        """`tensor` with the rest of `message` (an encoder's or a client's pb.Embedding)."""
+        return cls(tensor, modality, tuple(int(d) for d in message.grid_thw), int(message.valid_length),
+                   int(message.num_placeholder_tokens))
+
+    def check(self, index: int, hidden_size: int) -> None:
+        """What the splicer needs: float rows of the model's width, finite, as many as stated."""
+        tensor = self.tensor
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(WIRE_DTYPES.get(tensor.dtype, 0))} "
+                                  "is not a float type (FLOAT32, FLOAT16, BFLOAT16)")
+        if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
+            raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
+                                  f"(rows, {hidden_size})")
+        if tensor.shape[0] == 0:
+            raise InvalidArgument(f"items[{index}].embedding has no rows")
+        if not bool(torch.isfinite(tensor).all()):  # they would reach every logit of the request: NaN logprobs
+            raise InvalidArgument(f"items[{index}].embedding contains NaN or infinite values")
+        rows = self.num_placeholder_tokens
+        if rows and rows != tensor.shape[0]:
+            raise InvalidArgument(f"items[{index}]: num_placeholder_tokens {rows} != embedding rows {tensor.shape[0]}")
+
+
+def from_client(item: pb.MultimodalItem, index: int, device: torch.device | None = None) -> Embedding:
+    """A client's precomputed embedding, decoded onto `device` (a shared-memory ref is refused)."""
+    if item.WhichOneof("source") != "embedding":
+        raise InvalidArgument(f"items[{index}]: no embedding")
+    message = item.embedding.embedding
+    if message.dtype not in FLOAT_WIRE:
+        raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(message.dtype)} is not a float type "
+                              "(FLOAT32, FLOAT16, BFLOAT16)")
+    tensor = from_proto(message, name=f"items[{index}].embedding", device=device)
+    return Embedding.of(item.embedding, tensor, item.modality)

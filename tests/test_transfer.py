@@ -1,0 +1,214 @@
+"""modalmesh.rpc.transfer: the sender's paths, the receiver's offers and fallbacks (CPU; CUDA where marked)."""
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from modalmesh import pb
+from modalmesh.metrics import Metrics
+from modalmesh.rpc import wire
+from modalmesh.rpc.codec import describe, from_payload
+from modalmesh.rpc.shm import ShmExporter, ShmProbe, ShmReader
+from modalmesh.rpc.transfer import INLINE_BYTES, EmbeddingSender
+from services.encoder.cache import Answer
+
+
+def _answer(tensor, ready=None):
+    return Answer(pb.Embedding(embedding=describe(tensor), num_placeholder_tokens=tensor.shape[0]), tensor, ready)
+
+
+def _respond(sender, answers, options):
+    response = pb.EncodeResponse(model_id="m")
+    out = asyncio.run(sender.respond(response, answers, options))
+    if isinstance(out, bytes):
+        rest, payloads = wire.strip(out, wire.ENCODE_RESPONSE_BYTES)
+        return pb.EncodeResponse.FromString(rest), payloads
+    return out, [None] * len(out.embeddings)
+
+
+@pytest.mark.parametrize("rows", [3, INLINE_BYTES // (64 * 4) + 1])  # on the event loop, and in the pool
+def test_the_bytes_path_carries_each_answer_exactly_and_counts_it(rows):
+    metrics = Metrics("vision_encoder", process_metrics=False)
+    with ThreadPoolExecutor(2) as pool:
+        sender = EmbeddingSender(shm=None, executor=pool, metrics=metrics)
+        x, y = torch.randn(rows, 64), torch.randn(2, 64).to(torch.bfloat16)
+        reply, payloads = _respond(sender, [_answer(x), _answer(y)], None)
+    assert torch.equal(from_payload(reply.embeddings[0].embedding, payloads[0]), x)
+    assert torch.equal(from_payload(reply.embeddings[1].embedding, payloads[1]), y)
+    sent = metrics.registry.get_sample_value("modalmesh_transfer_bytes_total",
+                                             {"service": "vision_encoder", "direction": "sent", "path": "grpc"})
+    assert sent == x.numel() * 4 + y.numel() * 2
+
+
+def test_the_shared_memory_path_puts_tensors_into_slabs(tmp_path):
+    metrics = Metrics("vision_encoder", process_metrics=False)
+    exporter, probe, reader = ShmExporter(directory=tmp_path), ShmProbe(tmp_path), ShmReader(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender = EmbeddingSender(shm=exporter, executor=pool, metrics=metrics)
+            x = torch.randn(5, 64).to(torch.bfloat16)
+            reply, payloads = _respond(sender, [_answer(x)], probe.options())
+        assert reply.embeddings[0].embedding.HasField("shared_memory") and payloads == [None]
+        assert torch.equal(reader.read(reply.embeddings[0].embedding), x)
+        sent = metrics.registry.get_sample_value(
+            "modalmesh_transfer_bytes_total", {"service": "vision_encoder", "direction": "sent", "path": "shared_memory"})
+        assert sent == x.numel() * 2
+    finally:
+        reader.close()
+        probe.close()
+        exporter.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_answers_go_by_bytes_and_by_shared_memory_equal_to_the_cpu_path(tmp_path):
+    exporter, probe, reader = ShmExporter(directory=tmp_path), ShmProbe(tmp_path), ShmReader(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender = EmbeddingSender(shm=exporter, executor=pool)
+            host = torch.randn(256, 3584).to(torch.bfloat16)
+            device = host.cuda()
+            ready = torch.cuda.Event()
+            ready.record()
+            for _ in range(2):  # the second time through a reused pinned buffer and a registered slab
+                reply, payloads = _respond(sender, [_answer(device, ready)], None)
+                assert torch.equal(from_payload(reply.embeddings[0].embedding, payloads[0]), host)
+                reply, _ = _respond(sender, [_answer(device, ready)], probe.options())
+                assert torch.equal(reader.read(reply.embeddings[0].embedding), host)
+                assert torch.equal(reader.read(_respond(sender, [_answer(device, ready)], probe.options())[0]
+                                               .embeddings[0].embedding, device="cuda").cpu(), host)
+    finally:
+        reader.close()
+        probe.close()
+        exporter.close()
+
+
+# ---- negotiation, refusal and fallback of the CUDA IPC path (faked where CUDA is absent) ----------------
+def test_a_caller_can_never_send_a_cuda_ipc_handle():
+    from modalmesh.errors import InvalidArgument
+    from modalmesh.rpc.codec import from_proto
+
+    sneaky = pb.Tensor(dtype=pb.FLOAT32, shape=[2], cuda_ipc=pb.CudaIpcRef(handle=b"\x01" * 64, nbytes=8))
+    with pytest.raises(InvalidArgument, match=r"pcm: a CUDA IPC handle \(cuda_ipc\) is not accepted here"):
+        from_proto(sneaky, name="pcm")
+
+
+def test_an_encode_request_carrying_a_handle_is_refused_naming_the_field(tmp_path):
+    import grpc
+
+    from tests.test_encoder_layer import _serve
+
+    async def body():
+        service, server, port, _ = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                pcm = pb.Tensor(dtype=pb.FLOAT32, shape=[2], cuda_ipc=pb.CudaIpcRef(handle=b"\x01" * 64, nbytes=8))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(pcm=pcm, sample_rate=16000)]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "items[0].pcm: a CUDA IPC handle (cuda_ipc) is not accepted" in err.value.details()
+        finally:
+            await server.stop(0)
+            await service.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_cuda_ipc_is_offered_only_with_shared_memory_and_a_cuda_device(tmp_path):
+    from modalmesh.rpc.transfer import CUDA_IPC, GRPC, SHARED_MEMORY, EmbeddingReceiver
+
+    probe = ShmProbe(tmp_path)
+    try:
+        for receiver, paths in [
+            (EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0)), {GRPC, SHARED_MEMORY, CUDA_IPC}),
+            (EmbeddingReceiver(probe=probe, device=None), {GRPC, SHARED_MEMORY}),  # on the CPU: no handle to open
+            (EmbeddingReceiver(probe=None, device=torch.device("cuda", 0)), {GRPC}),  # not the same host
+            (EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0), cuda_ipc=False), {GRPC, SHARED_MEMORY}),
+        ]:
+            request = pb.EncodeRequest()
+            assert receiver.offer(request) == paths
+            assert request.transfer.cuda_ipc == (CUDA_IPC in paths)
+        request = pb.EncodeRequest()
+        receiver = EmbeddingReceiver(probe=probe, device=torch.device("cuda", 0))
+        assert receiver.offer(request, {CUDA_IPC}) == {GRPC, SHARED_MEMORY} and not request.transfer.cuda_ipc
+        assert receiver.offer(pb.EncodeRequest(), {SHARED_MEMORY}) == {GRPC}  # IPC rides on the probe
+    finally:
+        probe.close()
+
+
+def test_the_sender_uses_cuda_ipc_only_when_offered_and_for_device_answers(tmp_path):
+    class FakeIpc:
+        def __init__(self):
+            self.calls = 0
+
+        def export(self, meta, tensor, ready):
+            self.calls += 1
+            return pb.Tensor(dtype=meta.dtype, shape=meta.shape, cuda_ipc=pb.CudaIpcRef(nbytes=1))
+
+    exporter, probe = ShmExporter(directory=tmp_path), ShmProbe(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender = EmbeddingSender(shm=exporter, executor=pool)
+            sender.ipc = FakeIpc()
+            options = probe.options()
+            options.cuda_ipc = True
+            reply, _ = _respond(sender, [_answer(torch.randn(4096, 64))], options)
+            # A host tensor has no handle to give: shared memory, and the IPC exporter is never asked.
+            assert reply.embeddings[0].embedding.HasField("shared_memory") and sender.ipc.calls == 0
+            reply, _ = _respond(sender, [_answer(torch.randn(4096, 64))], probe.options())
+            assert reply.embeddings[0].embedding.HasField("shared_memory")
+    finally:
+        probe.close()
+        exporter.close()
+
+
+class _FakeIpcReader:
+    def __init__(self, error):
+        self.error = error
+        self.reads = 0
+
+    def read(self, message, *, name, device):
+        self.reads += 1
+        raise self.error
+
+
+@pytest.mark.parametrize("error, stays_on", [
+    (RuntimeError("CUDA error: invalid resource handle"), False),  # CUDA refuses handles: off for the pool
+    (None, True),  # the lease went stale (SharedMemoryGone): this item again, the path stays on
+])
+def test_a_failed_cuda_ipc_answer_is_asked_again_by_shared_memory(tmp_path, error, stays_on):
+    from modalmesh.rpc.shm import SharedMemoryGone
+    from modalmesh.rpc.codec import to_proto
+    from services.llm.encoders import EncoderPool
+    from tests.helpers.echo_service import build
+
+    async def body():
+        server, servicer = build()
+        exporter = ShmExporter()
+        servicer.shared_memory, servicer.cuda_ipc = exporter, exporter
+        port = await server.start()
+        probe = ShmProbe()
+        metrics = Metrics("llm", process_metrics=False)
+        pool = EncoderPool(pb.IMAGE, f"127.0.0.1:{port}", probe=probe, metrics=metrics)
+        pool.receiver.cuda_ipc = True  # as on CUDA; the reader is faked
+        pool.receiver._ipc_reader = fake = _FakeIpcReader(error or SharedMemoryGone("items[3].embedding: gone"))
+        x = torch.randn(5, 8)
+        try:
+            reply, tensor = await pool.encode_one(pb.EncodeItem(pcm=to_proto(x)), 3, timeout=30)
+            return x, reply, tensor, servicer, pool.receiver.cuda_ipc, fake.reads, metrics
+        finally:
+            await pool.close()
+            probe.close()
+            exporter.close()
+            await server.stop(0)
+
+    x, reply, tensor, servicer, ipc_on, reads, metrics = asyncio.run(asyncio.wait_for(body(), 60))
+    assert reads == 1 and servicer.encode_calls == 2 and servicer.cuda_ipc_offers == 1
+    assert reply.embeddings[0].embedding.HasField("shared_memory") and torch.equal(tensor, x)
+    assert ipc_on == stays_on
+    get = metrics.registry.get_sample_value
+    labels = {"service": "llm", "direction": "received"}
+    assert get("modalmesh_transfer_bytes_total", {**labels, "path": "shared_memory"}) == x.numel() * 4
+    assert get("modalmesh_transfer_bytes_total", {**labels, "path": "cuda_ipc"}) is None
