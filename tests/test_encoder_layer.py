@@ -287,3 +287,26 @@ def test_answers_that_view_one_batch_output_own_their_bytes_in_the_cache(tmp_pat
             await service.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_the_worker_keeps_at_most_two_batches_queued_on_the_device():
+    """Pipelining with a bound: a batch's answers go back as soon as its work is queued, but the worker waits
+    for the batch before last (its CUDA event), so arrivals pile into the next full batch instead of a
+    stream of small ones. Fake events record which batches were waited for."""
+    import collections
+
+    from services.encoder.service import MAX_BATCHES_IN_FLIGHT
+
+    class Event:
+        def __init__(self, n):
+            self.n, self.waited = n, False
+
+        def synchronize(self):
+            self.waited = True
+
+    worker = type("Worker", (), {"_inflight": collections.deque()})()
+    events = [Event(n) for n in range(5)]
+    for i, event in enumerate(events):
+        EncoderService._bound_inflight(worker, event)
+        assert len(worker._inflight) == min(i + 1, MAX_BATCHES_IN_FLIGHT)
+    assert [e.waited for e in events] == [True, True, True, False, False]  # the last two still queued

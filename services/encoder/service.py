@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +30,8 @@ from services.encoder.cache import Answer, EmbeddingCache
 from services.encoder import flags as encoder_flags
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
+
+MAX_BATCHES_IN_FLIGHT = 2  # queued on the device at once: one running, the next one ready behind it
 
 
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
@@ -60,6 +63,7 @@ class EncoderService(Service):
         self.model: EncoderModel | None = None
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
+        self._inflight: collections.deque = collections.deque()  # CUDA events of batches queued on the device
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
@@ -139,7 +143,18 @@ class EncoderService(Service):
                 # On the stream the batch ran on, after it: transfer copies wait for this alone.
                 ready.record(torch.cuda.current_stream(next(iter(devices))))
                 answers = [dataclasses.replace(a, ready=ready) for a in answers]
+                self._bound_inflight(ready)
         return answers
+
+    def _bound_inflight(self, ready: torch.cuda.Event) -> None:
+        """Pipelining with a bound: the worker hands a batch's answers over as soon as its work is queued, so
+        the next batch is prepared and uploaded while the GPU runs this one; but it waits for the batch
+        before last, so at most `MAX_BATCHES_IN_FLIGHT` batches are queued on the device. Without the bound
+        a worker that never waits launches every few arriving items as a batch of its own: many small
+        batches where the queue would have made a few full ones."""
+        self._inflight.append(ready)
+        while len(self._inflight) > MAX_BATCHES_IN_FLIGHT:
+            self._inflight.popleft().synchronize()
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
         """The answer, or its wire bytes when embeddings travel in it (see `add_encoder_service`)."""
