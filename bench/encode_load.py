@@ -55,9 +55,9 @@ class Case:
 
 
 CASES = {
-    "siglip": Case("siglip", "vision_encoder", "img", 32, 2048, 500.0),
-    "qwen2vl": Case("qwen2vl", "vision_encoder", "img", 8, 1024, 160.0),
-    "whisper": Case("whisper", "audio_encoder", "clip", 16, 512, 140.0),
+    "siglip": Case("siglip", "vision_encoder", "img", 32, 1536, 500.0),
+    "qwen2vl": Case("qwen2vl", "vision_encoder", "img", 8, 768, 160.0),
+    "whisper": Case("whisper", "audio_encoder", "clip", 16, 384, 140.0),
 }
 
 

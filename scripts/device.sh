@@ -90,19 +90,18 @@ for name in "$@"; do
             wait ;;
         profile-tp2) step profile-tp2 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-tp2.txt" -- python3 bench/serve.py --start --tp 2 --requests 256 ;;
-        encoder-tests) step encoder-tests 420 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
-                tests/test_vision_preprocess.py tests/test_vision_models.py tests/test_vision_service.py \
-                tests/test_audio_features.py tests/test_audio_models.py tests/test_audio_service.py \
-                tests/test_shm.py $(ls tests/test_transfer*.py tests/test_vision_device*.py tests/test_audio_device*.py \
-                2>/dev/null) ;;
-        encode-load) step encode-load 420 python3 bench/encode_load.py ;;
-        encode-load-before)  # the same load on the code before this issue (.before: git archive of that commit)
-            cp bench/encode_load.py .before/bench/ 2>/dev/null
-            step encode-load-before 420 bash -c 'cd .before && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py' ;;
-        vision-bench) step vision-bench 420 python3 bench/vision.py ;;
-        audio-bench) step audio-bench 300 python3 bench/audio.py --profile ;;
-        transfer) step transfer 300 python3 bench/transfer.py ;;
-        profile-encode) step profile-encode 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
+        encoder-tests) step encoder-tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or CUDA or device" \
+                tests/test_staging.py tests/test_codec.py tests/test_transfer.py tests/test_transfer_cuda.py \
+                tests/test_vision_device_preprocess.py tests/test_audio_device.py tests/test_audio_models.py \
+                tests/test_vision_models.py tests/test_encoder_layer.py ;;
+        encode-load) step encode-load 180 python3 bench/encode_load.py ;;
+        encode-load-before)  # the same load on the code before issue 18 (.before: `git archive 8dcd57d`, carried)
+            cp bench/encode_load.py .before/bench/
+            step encode-load-before 180 bash -c 'cd .before && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py' ;;
+        vision-bench) step vision-bench 130 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448 --no-hf ;;
+        audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
+        transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;
+        profile-encode) step profile-encode 150 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-encode.txt" -- python3 bench/encode_load.py --only siglip,whisper ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
