@@ -101,6 +101,7 @@ for name in "$@"; do
         vision-bench) step vision-bench 130 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448 --no-hf ;;
         audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
         transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;
+        ipc-probe) step ipc-probe 60 python3 scripts/cuda_ipc_probe.py; cat "$OUT/ipc-probe.log" ;;
         profile-encode) step profile-encode 150 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-encode.txt" -- python3 bench/encode_load.py --only siglip,whisper ;;
         *) echo "unknown step $name"; exit 2 ;;

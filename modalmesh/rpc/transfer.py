@@ -85,6 +85,12 @@ class PinnedBuffers:
                 self._free.remove(min(self._free, key=torch.Tensor.numel))
 
 
+def _ready(answer) -> bool:
+    """The answer's tensor is made: its batch's work on the GPU (if any) has finished."""
+    ready = getattr(answer, "ready", None)
+    return ready is None or ready.query()
+
+
 class EmbeddingSender:
     """Encoder side: an EncodeResponse holding `answers` by the fastest path the caller can take.
 
@@ -96,7 +102,9 @@ class EmbeddingSender:
 
     def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None, cuda_ipc: bool = False):
         self.shm = shm
-        self.executor = executor  # for copies too large for the event loop
+        # For copies too large for the event loop, and for answers whose batch is still running on the GPU:
+        # a thread of its own waits for it (not the preprocessing pool, whose threads must keep preparing).
+        self.executor = executor
         self.metrics = metrics
         self.pinned = PinnedBuffers()
         self.ipc = None
@@ -114,8 +122,10 @@ class EmbeddingSender:
         spliced in by modalmesh.rpc.wire rather than protobuf's two)."""
         shared = self.shares_memory(options)
         ipc = shared and self.ipc is not None and options.cuda_ipc
-        if sum(nbytes(a.tensor) for a in answers) <= INLINE_BYTES:
+        if sum(nbytes(a.tensor) for a in answers) <= INLINE_BYTES and all(_ready(a) for a in answers):
             return self._respond(response, answers, shared, ipc)  # a thread hop would cost more than the copies
+        # Never wait for the GPU on the event loop: while it waits, no request is taken in, and batches
+        # shrink to what arrived before (measured: 3.7 items a batch with 64 clients).
         return await asyncio.get_running_loop().run_in_executor(
             self.executor, self._respond, response, answers, shared, ipc)
 
