@@ -200,6 +200,10 @@ def main() -> int:
                              memcpy_gb_s=nbytes / copy_s / 1e9,
                              ttft_shm_ms=fast_ttft * 1e3, shm_share_of_ttft=(ipc_s if gpu else shm_s) / fast_ttft,
                              ttft_grpc_ms=plain_ttft * 1e3, grpc_share_of_ttft=grpc_s / plain_ttft))
+    except BaseException:
+        for p in procs:  # the services' own account of an INTERNAL error
+            print(f"--- {p.service} log (last 40 lines) ---\n" + "\n".join(p.lines[-40:]), file=sys.stderr)
+        raise
     finally:
         for p in reversed(procs):
             p.terminate(timeout=60)

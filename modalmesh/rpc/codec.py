@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -160,6 +161,36 @@ def transfer_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+class PinnedBuffers:
+    """Reused page-locked host buffers, so a copy between the host and a GPU is one DMA with no allocation
+    per call: the encoder's device answers on their way into a message, the LLM's received embeddings on
+    their way onto its GPU. A buffer is lent for one copy and given back after it."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [b for b in self._free if b.numel() >= nbytes]
+            buffer = min(fitting, key=torch.Tensor.numel, default=None)
+            if buffer is not None:
+                self._free.remove(buffer)
+        if buffer is None:
+            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
+
+
+_BOUNCE = PinnedBuffers()  # host -> CUDA copies of pageable sources (message bytes, shared-memory slabs)
+
+
 def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
     """An owned copy of `src` (a contiguous host view into a received message or a shared-memory slab) on
     `device` (default the CPU); `src`'s memory may be reused as soon as this returns.
@@ -172,10 +203,24 @@ def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> tor
     """
     target = torch.device(device) if device is not None else torch.device("cpu")
     if target.type == "cuda":
+        # Through a reused pinned buffer: one single-threaded memcpy, then a DMA. A copy straight from
+        # pageable memory (a slab, the message) moved 250-400 MB/s on the H200 host (the driver stages
+        # it in small pinned chunks, synchronously): 7 ms per 1.8 MB image, the whole LLM-side cost.
+        n = src.numel() * src.element_size()
+        bounce = _BOUNCE.take(n) if n and src.is_contiguous() and not src.is_pinned() else None
         stream = transfer_stream(target)
-        with torch.cuda.stream(stream):
-            out = src.to(target, copy=True)
-        stream.synchronize()  # a pinned source copies asynchronously: done before the caller reuses it
+        try:
+            if bounce is not None:
+                np.copyto(bounce[:n].numpy(), src.reshape(-1).view(torch.uint8).numpy())
+                staged = bounce[:n].view(src.dtype).view(src.shape)
+            else:
+                staged = src
+            with torch.cuda.stream(stream):
+                out = staged.to(target, copy=True, non_blocking=True)
+            stream.synchronize()  # done before the buffer (or the caller's source) is used again
+        finally:
+            if bounce is not None:
+                _BOUNCE.give_back(bounce)
         out.record_stream(torch.cuda.current_stream(target))  # its memory is the caller's stream's once freed
         return out
     if target.type != "cpu":

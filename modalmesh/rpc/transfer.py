@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -30,7 +29,8 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import copy_out, copy_to_host, from_payload, host_bytes_view, nbytes, payload_nbytes
+from modalmesh.rpc.codec import (PinnedBuffers, copy_out, copy_to_host, from_payload, host_bytes_view, nbytes,
+                                 payload_nbytes)
 from modalmesh.rpc.shm import SharedMemoryGone, ShmExporter, ShmProbe, ShmReader
 
 log = logging.getLogger(__name__)
@@ -57,32 +57,6 @@ def path_of(message: pb.Tensor) -> str:
 def _count(metrics, direction: str, path: str, nbytes: int) -> None:
     if metrics is not None and nbytes:
         metrics.transfer_bytes_total.labels(direction=direction, path=path).inc(nbytes)
-
-
-class PinnedBuffers:
-    """Reused page-locked host buffers for device answers on the bytes path: one DMA each, no
-    allocation per call. A buffer is lent for one message's making and given back after it."""
-
-    def __init__(self, keep: int = 4):
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fitting = [b for b in self._free if b.numel() >= nbytes]
-            buffer = min(fitting, key=torch.Tensor.numel, default=None)
-            if buffer is not None:
-                self._free.remove(buffer)
-        if buffer is None:
-            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        return buffer
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buffer)
-            if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
 
 
 def _ready(answer) -> bool:
