@@ -202,7 +202,7 @@ def main() -> int:
                              ttft_grpc_ms=plain_ttft * 1e3, grpc_share_of_ttft=grpc_s / plain_ttft))
     except BaseException:
         for p in procs:  # the services' own account of an INTERNAL error
-            print(f"--- {p.service} log (last 40 lines) ---\n" + "\n".join(p.lines[-40:]), file=sys.stderr)
+            print(f"--- {p.service} log (last 40 lines) ---\n" + "\n".join(list(p.lines)[-40:]), file=sys.stderr)
         raise
     finally:
         for p in reversed(procs):
