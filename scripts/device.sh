@@ -104,6 +104,17 @@ for name in "$@"; do
         ipc-probe) step ipc-probe 60 python3 scripts/cuda_ipc_probe.py; cat "$OUT/ipc-probe.log" ;;
         profile-encode) step profile-encode 150 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-encode.txt" -- python3 bench/encode_load.py --only siglip,whisper ;;
+        profile-service)  # py-spy on the encoder service and on the load's client, by pid, mid-load (SigLIP)
+            python3 bench/encode_load.py --only siglip --requests 4096 >"$OUT/profile-service-load.log" 2>&1 &
+            load=$!
+            for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
+            sleep 30  # the service loads, warms up; the load starts
+            /tmp/site/bin/py-spy record --pid "$svc" --duration 8 --rate 100 --format raw --threads \
+                -o "$OUT/profile-service.txt" >"$OUT/profile-service.log" 2>&1 &
+            /tmp/site/bin/py-spy record --pid "$load" --duration 8 --rate 100 --format raw --threads \
+                -o "$OUT/profile-client.txt" >>"$OUT/profile-service.log" 2>&1
+            wait
+            echo "== profile-service"; tail -3 "$OUT/profile-service.log"; grep RESULT "$OUT/profile-service-load.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

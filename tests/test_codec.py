@@ -114,3 +114,19 @@ def test_copy_out_to_cuda_equals_the_cpu_copy():
         again = from_proto(to_proto(torch.full((256, 3584), float(i)).to(torch.bfloat16)))
         assert torch.equal(copy_out(again, "cuda").cpu(), again)
     assert {b.data_ptr() for b in codec._BOUNCE._free} == buffers and buffers
+
+
+def test_pinned_buffers_lend_the_smallest_fitting_and_keep_a_few():
+    """Buffers of several sizes free at once (the H200 run: list.remove compared tensors elementwise and
+    raised); the smallest one that fits is lent, and at most `keep` stay."""
+    from modalmesh.rpc.codec import PinnedBuffers
+
+    pool = PinnedBuffers(keep=2)
+    small, large = pool.take(1 << 20), pool.take(3 << 20)
+    pool.give_back(large)
+    pool.give_back(small)
+    assert pool.take(100).data_ptr() == small.data_ptr()  # the smallest that fits
+    assert pool.take(2 << 20).data_ptr() == large.data_ptr()
+    for b in (pool.take(1 << 20), pool.take(2 << 20), pool.take(5 << 20)):
+        pool.give_back(b)
+    assert sorted(b.numel() for b in pool._free) == [2 << 20, 5 << 20]  # the smallest went

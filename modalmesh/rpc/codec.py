@@ -173,19 +173,20 @@ class PinnedBuffers:
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fitting = [b for b in self._free if b.numel() >= nbytes]
-            buffer = min(fitting, key=torch.Tensor.numel, default=None)
-            if buffer is not None:
-                self._free.remove(buffer)
+            # By position, never list.remove: that compares tensors with ==, elementwise (it raised on the
+            # H200 once two buffers of different sizes were free).
+            fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            best = min(fitting, key=lambda i: self._free[i].numel(), default=None)
+            buffer = self._free.pop(best) if best is not None else None
         if buffer is None:
-            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buffer)
             if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 _BOUNCE = PinnedBuffers()  # host -> CUDA copies of pageable sources (message bytes, shared-memory slabs)
