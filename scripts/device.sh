@@ -108,7 +108,7 @@ for name in "$@"; do
             python3 bench/encode_load.py --only siglip --requests 4096 >"$OUT/profile-service-load.log" 2>&1 &
             load=$!
             for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
-            sleep 30  # the service loads, warms up; the load starts
+            sleep 20  # the service loads, warms up; the load starts
             /tmp/site/bin/py-spy record --pid "$svc" --duration 8 --rate 100 --format raw --threads \
                 -o "$OUT/profile-service.txt" >"$OUT/profile-service.log" 2>&1 &
             /tmp/site/bin/py-spy record --pid "$load" --duration 8 --rate 100 --format raw --threads \
