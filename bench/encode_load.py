@@ -128,7 +128,8 @@ def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype,
         from services.audio_encoder.model import build_encoder_model
     else:
         from services.vision_encoder.model import build_encoder_model
-    model = build_encoder_model(ckpt, device=device, dtype=dtype, dummy=True)
+    # Eager: the tower's own forward is what is timed (the service replays it from CUDA graphs).
+    model = build_encoder_model(ckpt, device=device, dtype=dtype, dummy=True, options={"cuda_graphs": False})
     tower = getattr(model, "tower", None) or model.module
     caught = {}
 

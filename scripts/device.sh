@@ -115,6 +115,11 @@ for name in "$@"; do
                 -o "$OUT/profile-client.txt" >>"$OUT/profile-service.log" 2>&1
             wait
             echo "== profile-service"; tail -3 "$OUT/profile-service.log"; grep RESULT "$OUT/profile-service-load.log" ;;
+        graph-tests) step graph-tests 75 python3 -m pytest -q -p no:cacheprovider tests/test_batch_graphs.py \
+                tests/test_vision_device_preprocess.py tests/test_audio_device.py -k "cuda or graphs" ;;
+        encode-load-graphs) step encode-load-graphs 100 python3 bench/encode_load.py --only siglip,whisper ;;
+        encode-load-eager) step encode-load-eager 100 python3 bench/encode_load.py --only siglip,whisper \
+                --service-flag=--enforce-eager ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

@@ -48,6 +48,7 @@ from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.models import build_and_load, pick
 from modalmesh.rpc.codec import from_proto
 from modalmesh.weights import LoadReport
+from modalmesh.batch_graphs import MAX_BATCH as MAX_GRAPH_BATCH, BatchGraphs
 from modalmesh.staging import HostStaging
 from services.audio_encoder.audio import (
     DEFAULT_RESAMPLER,
@@ -85,6 +86,7 @@ class AudioOptions:
     whisper_rows: str = "valid"
     preprocess_device: str = "auto"  # where resampling + log-mel run: "cpu", "device", or auto (device on CUDA)
     warmup: bool = True
+    cuda_graphs: bool = True  # Whisper on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
 
     def preprocess_on_device(self, device: torch.device) -> bool:
         if self.preprocess_device == "auto":
@@ -94,7 +96,7 @@ class AudioOptions:
     @classmethod
     def from_dict(cls, options: dict | None) -> AudioOptions:
         options = dict(options or {})
-        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup"}
+        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup", "cuda_graphs"}
         if unknown:
             raise ConfigError(f"unknown audio encoder options: {', '.join(sorted(unknown))}")
         out = cls(**{k: v for k, v in options.items() if v is not None})
@@ -140,6 +142,10 @@ class AudioEncoderModel(EncoderModel):
         # from the CPU path's by float rounding on CUDA, so which path made them is part of it.
         self.preprocess = f"device:{self.device.type}" if self.on_device else "cpu"
         self.signature = f"{features.signature()}|{resampler.signature()}|{rows}|pre={self.preprocess}".encode()
+        self.graphs = None  # Whisper's windows all have one shape: its tower replays a graph per batch bucket
+        if self.device.type == "cuda" and not self.packed and self.options.cuda_graphs:
+            self.graphs = BatchGraphs.capture(self.module, item_shape=(self.dims.n_mels, self.dims.window_frames),
+                                              dtype=dtype, device=self.device, max_batch=MAX_GRAPH_BATCH)
 
     # ---- per item, CPU ----------------------------------------------------------------------
     def cache_key(self, item: pb.EncodeItem, index: int) -> bytes | None:
@@ -244,7 +250,7 @@ class AudioEncoderModel(EncoderModel):
             if self.packed:
                 out = self.module(mel, index=index.with_tensors(extra))
             else:
-                hidden = self.module(mel)  # (windows, 1500, d)
+                hidden = (self.graphs or self.module)(mel)  # (windows, 1500, d)
                 out = hidden.flatten(0, 1).index_select(0, extra[0])
         # Views of one tensor on the device: the transport takes them from there (no per-item copies).
         return [EncodedItem(embedding=e, valid_length=p.meta["valid_length"])
@@ -257,7 +263,7 @@ class AudioEncoderModel(EncoderModel):
         return {"tower": type(self.module).__name__, "rows": rows, "n_mels": str(f.n_mels),
                 "sampling_rate": str(f.sampling_rate), "window_seconds": str(f.chunk_length),
                 "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature(),
-                "preprocess": self.preprocess}
+                "preprocess": self.preprocess, "cuda_graphs": "on" if self.graphs is not None else "off"}
 
     def warmup(self) -> None:
         """Silent 1 s clips through prepare and encode (kernels, backend smoke tests, allocator); on the

@@ -29,7 +29,8 @@ class AudioEncoderService(EncoderService):
     @classmethod
     def model_options(cls, args: argparse.Namespace) -> dict:
         return {"max_audio_seconds": args.max_audio_seconds, "whisper_rows": args.whisper_rows,
-                "preprocess_device": args.preprocess_device, "warmup": args.warmup}
+                "preprocess_device": args.preprocess_device, "warmup": args.warmup,
+                "cuda_graphs": not args.enforce_eager}
 
     def build_model(self) -> AudioEncoderModel:
         return build_encoder_model(

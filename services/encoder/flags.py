@@ -27,5 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most /dev/shm the answers may hold at once (beyond it they go as bytes)")
     parser.add_argument("--shared-memory-ttl", type=float, default=30.0,
                         help="seconds a shared-memory answer waits for its reader before its slab is retired")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run fixed-shape towers (SigLIP, Whisper) eagerly instead of replaying CUDA graphs "
+                             "per batch size")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the warm-up forward before turning SERVING")

@@ -35,6 +35,7 @@ from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.models import build_and_load, pick
+from modalmesh.batch_graphs import MAX_BATCH as MAX_GRAPH_BATCH, BatchGraphs
 from modalmesh.staging import HostStaging
 from services.vision_encoder import device_preprocess as dp
 from services.vision_encoder import preprocess as pp
@@ -57,6 +58,7 @@ DEFAULT_OPTIONS = {
     "max_request_pixels": 0,  # per-item max_pixels may not exceed this (0: the checkpoint's max_pixels)
     "siglip_output": "patch",  # "patch" | "pooled" | "both"
     "preprocess_device": "auto",  # "auto" (device on CUDA) | "cpu" (exact PIL path) | "device"
+    "cuda_graphs": True,  # SigLIP on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
 }
 
 
@@ -100,6 +102,10 @@ class VisionEncoderModel(EncoderModel):
         self.staging = HostStaging(self.device)  # encode's uploads (one worker thread)
         self.device_preprocessor = (dp.DevicePreprocessor(self.processor, self.device, self.staging)
                                     if self.preprocess == "device" else None)
+        self.graphs = None  # SigLIP's images all have one shape: its tower replays a graph per batch bucket
+        if self.device.type == "cuda" and not self.native and self.options["cuda_graphs"]:
+            self.graphs = BatchGraphs.capture(self.tower, item_shape=(3, self.processor.height, self.processor.width),
+                                              dtype=dtype, device=self.device, max_batch=MAX_GRAPH_BATCH)
         if int(self.options["max_image_pixels"]) > (Image.MAX_IMAGE_PIXELS or 0):
             Image.MAX_IMAGE_PIXELS = int(self.options["max_image_pixels"])  # ours is checked before decoding
         self._key_base = hashlib.sha256(b"\0".join([
@@ -182,7 +188,7 @@ class VisionEncoderModel(EncoderModel):
             rows = self.tower(pixels, grids).to(self.dtype)
             sizes = [self.tower.merged_rows(g) for g in grids]
             return [EncodedItem(embedding=r, grid_thw=g) for r, g in zip(rows.split(sizes), grids)]
-        rows = self.tower(pixels).to(self.dtype)
+        rows = (self.graphs or self.tower)(pixels).to(self.dtype)
         return [EncodedItem(embedding=r) for r in rows.unbind(0)]
 
     def _pixels(self, batch: list[PreparedItem]) -> torch.Tensor:
@@ -213,7 +219,7 @@ class VisionEncoderModel(EncoderModel):
         """Service-specific facts for Info.extra."""
         p = self.processor
         facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"]),
-                 "preprocess": self.preprocess}
+                 "preprocess": self.preprocess, "cuda_graphs": "on" if self.graphs is not None else "off"}
         if self.native:
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))

@@ -34,7 +34,8 @@ class VisionEncoderService(EncoderService):
                 "decode_memory_bytes": int(args.decode_memory_mb * MiB),
                 "max_request_pixels": args.max_request_pixels,
                 "siglip_output": args.siglip_output,
-                "preprocess_device": args.preprocess_device}
+                "preprocess_device": args.preprocess_device,
+                "cuda_graphs": not args.enforce_eager}
 
     def build_model(self) -> VisionEncoderModel:
         model = build_encoder_model(

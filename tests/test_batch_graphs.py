@@ -1,0 +1,74 @@
+"""modalmesh.batch_graphs: fixed-shape towers replayed per batch bucket (CPU: the logic with a stand-in
+replay; CUDA: real graphs of the SigLIP and Whisper towers against their eager forwards)."""
+
+import numpy as np
+import pytest
+import torch
+
+from modalmesh import pb
+from modalmesh.batch_graphs import BatchGraphs, buckets
+from modalmesh.testing import tiny
+
+
+def test_buckets_cover_every_batch_up_to_the_largest():
+    assert buckets(8) == [1, 2, 4, 6, 8]
+    assert buckets(64)[-1] == 64 and buckets(5) == [1, 2, 4, 5]
+
+
+def test_a_batch_replays_the_smallest_bucket_that_fits_and_owns_its_rows():
+    torch.manual_seed(0)
+    tower = torch.nn.Linear(4, 3)  # every row on its own, as in the towers
+    sizes = buckets(8)
+    inputs = torch.zeros(8, 4)
+    outputs = {n: torch.empty(n, 3) for n in sizes}
+
+    class Replay:  # what a CUDA graph does: the captured forward on the static buffers
+        def __init__(self, n):
+            self.n, self.count = n, 0
+
+        def replay(self):
+            outputs[self.n].copy_(tower(inputs[:self.n]))
+            self.count += 1
+
+    graphs = BatchGraphs(tower, inputs, {n: Replay(n) for n in sizes}, outputs)
+    with torch.no_grad():
+        x5, x3, x9 = torch.randn(5, 4), torch.randn(3, 4), torch.randn(9, 4)
+        out5 = graphs(x5)
+        assert graphs.graphs[6].count == 1 and out5.shape == (5, 3)
+        torch.testing.assert_close(out5, tower(x5))
+        out3 = graphs(x3)  # a later replay overwrites the buffers, never the rows handed out
+        assert graphs.graphs[4].count == 1
+        torch.testing.assert_close(out5, tower(x5))
+        torch.testing.assert_close(out3, tower(x3))
+        out9 = graphs(x9)  # larger than every bucket: eager
+        assert graphs.replays == 2
+        torch.testing.assert_close(out9, tower(x9))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_siglip_and_whisper_towers_replayed_equal_their_eager_forwards(tmp_path):
+    from services.audio_encoder.model import build_encoder_model as build_audio
+    from services.vision_encoder.model import build_encoder_model as build_vision
+
+    vision = tiny.ensure("siglip", tmp_path / "siglip")
+    whisper = tiny.ensure("whisper", tmp_path / "whisper")
+    rng = np.random.default_rng(0)
+    for build, path, item in (
+        (build_vision, vision, lambda i: pb.EncodeItem(pixels=pb.Tensor(
+            dtype=pb.UINT8, shape=[40, 52, 3], data=rng.integers(0, 256, (40, 52, 3), dtype=np.uint8).tobytes()))),
+        (build_audio, whisper, lambda i: pb.EncodeItem(pcm=pb.Tensor(
+            dtype=pb.FLOAT32, shape=[16000 + 1000 * i], data=rng.standard_normal(16000 + 1000 * i).astype(
+                np.float32).tobytes()), sample_rate=16000)),
+    ):
+        graphed = build(path, device="cuda", dtype=torch.float32, options={"cuda_graphs": True})
+        eager = build(path, device="cuda", dtype=torch.float32, options={"cuda_graphs": False})
+        assert graphed.graphs is not None and eager.graphs is None
+        assert graphed.describe()["cuda_graphs"] == "on"
+        for n in (1, 3, 5):  # padded to buckets 4 and 6
+            batch = [graphed.prepare(item(i), i) for i in range(n)]
+            before = graphed.graphs.replays
+            got, want = graphed.encode(batch), eager.encode(batch)
+            assert graphed.graphs.replays == before + 1
+            for g, w in zip(got, want):
+                scale = w.embedding.abs().max().item()
+                assert (g.embedding - w.embedding).abs().max().item() <= 1e-4 * max(scale, 1.0)
