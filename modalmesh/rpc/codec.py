@@ -72,6 +72,18 @@ def host_bytes_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+def layout(message: pb.Tensor, name: str = "tensor") -> tuple[torch.dtype, tuple[int, ...], int]:
+    """A wire Tensor's dtype, shape and byte count, checked (known dtype, no negative dimension):
+    what a reader of a shared-memory slab or a CUDA IPC handle must know before it copies."""
+    dtype = TORCH_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
+    shape = tuple(int(d) for d in message.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    return dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def to_payload(tensor: torch.Tensor) -> tuple[pb.Tensor, bytes]:
     """A wire Tensor without its bytes (dtype, shape), and the bytes: one copy off the tensor."""
     meta = describe(tensor)

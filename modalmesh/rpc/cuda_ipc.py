@@ -19,14 +19,13 @@ into memory of its own, drops the mapping and hands the lease back.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 
 import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import TORCH_DTYPES, dtype_name, nbytes, transfer_stream
+from modalmesh.rpc.codec import dtype_name, layout, nbytes, transfer_stream
 from modalmesh.rpc.shm import ShmExporter, ShmReader
 
 log = logging.getLogger(__name__)
@@ -96,13 +95,7 @@ class CudaIpcReader:
         SharedMemoryGone when its lease is gone or stale (ask again), RuntimeError when the handle
         cannot be opened (the path is off for the pool)."""
         ref = message.cuda_ipc
-        dtype = TORCH_DTYPES.get(message.dtype)
-        if dtype is None:
-            raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
-        shape = tuple(int(d) for d in message.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        dtype, shape, expected = layout(message, name)
         if ref.nbytes != expected or ref.offset + expected > ref.storage_size_bytes:
             raise InvalidArgument(f"{name}: CUDA IPC ref of {ref.nbytes} bytes at {ref.offset} in a storage of "
                                   f"{ref.storage_size_bytes}; shape {list(shape)} of {dtype_name(message.dtype)} "

@@ -417,16 +417,10 @@ class ShmReader:
         gone or holds other content, and OSError when it cannot be opened: the caller asks again
         for bytes.
         """
-        from modalmesh.rpc.codec import TORCH_DTYPES, copy_out, dtype_name  # codec imports nothing from here
+        from modalmesh.rpc.codec import copy_out, dtype_name, layout  # codec imports nothing from here
 
         ref = message.shared_memory
-        dtype = TORCH_DTYPES.get(message.dtype)
-        if dtype is None:
-            raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
-        shape = tuple(int(d) for d in message.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        dtype, shape, expected = layout(message, name)
         if ref.nbytes != expected:
             raise InvalidArgument(f"{name}: shared memory holds {ref.nbytes} bytes but shape {list(shape)} of "
                                   f"{dtype_name(message.dtype)} needs {expected}")
