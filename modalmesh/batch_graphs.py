@@ -35,6 +35,27 @@ def buckets(max_batch: int) -> list[int]:
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
 
 
+def capture(sizes: list[int], forward: Callable[[int], torch.Tensor], device: torch.device,
+            mempool) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph of `forward(n)` per size, largest first so smaller graphs reuse its memory; a warm-up of
+    every size runs first (kernels chosen and compiled, workspaces allocated). Shared by the towers here
+    and the LLM's step graphs (services/llm/graphs.py)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for n in sizes:
+            forward(n)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graphs, outputs = {}, {}
+    for n in reversed(sizes):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool):
+            outputs[n] = forward(n)
+        graphs[n] = graph
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class BatchGraphs:
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor,
                  graphs: dict[int, object], outputs: dict[int, torch.Tensor]):
@@ -48,26 +69,12 @@ class BatchGraphs:
     @classmethod
     def capture(cls, forward: Callable[[torch.Tensor], torch.Tensor], *, item_shape: Sequence[int],
                 dtype: torch.dtype, device: torch.device, max_batch: int) -> BatchGraphs | None:
-        """One graph per bucket up to `max_batch`, largest first (the smaller ones reuse its memory);
-        None, logged, when the forward cannot be captured."""
+        """One graph per bucket up to `max_batch`; None, logged, when the forward cannot be captured."""
         sizes = buckets(max_batch)
         inputs = torch.zeros((sizes[-1], *item_shape), dtype=dtype, device=device)
         try:
             with torch.inference_mode():
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for n in sizes:  # warm-up: kernels chosen and compiled, workspaces allocated
-                        forward(inputs[:n])
-                torch.cuda.current_stream(device).wait_stream(side)
-                pool = torch.cuda.graph_pool_handle()
-                graphs, outputs = {}, {}
-                for n in reversed(sizes):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        outputs[n] = forward(inputs[:n])
-                    graphs[n] = graph
-                torch.cuda.synchronize(device)
+                graphs, outputs = capture(sizes, lambda n: forward(inputs[:n]), device, torch.cuda.graph_pool_handle())
         except Exception as exc:  # noqa: BLE001 - eager still works; say why the graphs do not
             log.warning("tower runs eagerly: CUDA graph capture failed (%s: %s)", type(exc).__name__, exc)
             return None

@@ -24,11 +24,11 @@ device-side lengths, no host synchronisation).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from modalmesh.attention import PagedMetadata
+from modalmesh.batch_graphs import capture
 from services.llm.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -47,25 +47,6 @@ def token_buckets(max_tokens: int) -> list[int]:
     top = min(max_tokens, MIXED_MAX_TOKENS)
     sizes = [n for n in (16, 32, 64, 128, 256, 384, 512, 768, 1024) if n < top]
     return sizes + [top]
-
-
-def capture(sizes: list[int], forward: Callable[[int], torch.Tensor], device: torch.device,
-            mempool) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
-    """One graph per size, largest first so smaller graphs reuse its memory; warm-up runs first."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for n in sizes:  # warm-up: compiles kernels, settles allocator
-            forward(n)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graphs, outputs = {}, {}
-    for n in reversed(sizes):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
-            outputs[n] = forward(n)
-        graphs[n] = graph
-    torch.cuda.synchronize(device)
-    return graphs, outputs
 
 
 def copy_positions(buffer: torch.Tensor, positions: torch.Tensor, n: int) -> None:
