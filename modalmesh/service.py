@@ -33,8 +33,7 @@ from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerC
 
 log = logging.getLogger("modalmesh")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-assert tuple(DTYPES) == DTYPE_NAMES  # the flags' choices (declared without torch) are these
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the flags' choices, declared without torch
 build_parser = service_parser  # the flags of `python -m services.<service>` (modalmesh/flags.py)
 
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modalmesh import pb
 from modalmesh.errors import ConfigError
+from modalmesh.flags import DefaultsHelpFormatter
 from modalmesh.ops import stack
 from modalmesh.ops.stack import StackError
 from modalmesh.rpc.channel import sync_channel
@@ -147,7 +148,7 @@ VAE_TARGET = "127.0.0.1:50054"  # the VAE, likewise
 
 
 def build_parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = DefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="modalmesh", description=__doc__, formatter_class=formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_up_arguments(command("up", "start the four services as local processes"))
     p = command("demo", "start the stack, send an image, an audio and a latents request, stop")
     stack.add_up_arguments(p)
-    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (None: a temporary folder)")
+    p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
     p = command("health", "exit 0 if a service is SERVING (gRPC health)")
     add_security_arguments(p, server=False)
     p.add_argument("--target", default=LLM_TARGET, help="host:port of the service (the default is the LLM)")

@@ -20,12 +20,12 @@ import struct
 import numpy as np
 
 from modalmesh import pb
+from modalmesh.flags import FALSE_WORDS, TRUE_WORDS
 from services.gateway.errors import bad_request
 from services.gateway.protocol import INT32_MAX
 
 NPY_MAGIC = b"\x93NUMPY"
 _TILING = {"auto": pb.TilingOptions.AUTO, "on": pb.TilingOptions.ON, "off": pb.TilingOptions.OFF}
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 _NP_WIRE = {np.dtype("<f4"): pb.FLOAT32, np.dtype("<f2"): pb.FLOAT16}
 _ST_WIRE = {"F32": (pb.FLOAT32, 4), "F16": (pb.FLOAT16, 2), "BF16": (pb.BFLOAT16, 2)}
 _RAW_WIRE = {"float32": (pb.FLOAT32, 4), "float16": (pb.FLOAT16, 2), "bfloat16": (pb.BFLOAT16, 2)}
@@ -144,6 +144,6 @@ def _flag(value, name: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
-    if text not in _TRUE | _FALSE:
+    if text not in TRUE_WORDS | FALSE_WORDS:
         raise bad_request(f"{name} must be true or false", name)
-    return text in _TRUE
+    return text in TRUE_WORDS
