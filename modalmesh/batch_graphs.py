@@ -28,7 +28,6 @@ import torch
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # fine steps: a padded row costs a whole row's work
-MAX_BATCH = 64  # the encoders' --max-batch-items default: larger batches run eagerly
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -85,7 +84,9 @@ class BatchGraphs:
         """The captured batch size a batch of `n` replays (0: larger than any: eager)."""
         return next((b for b in self.sizes if b >= n), 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """The tower's output for `x`: its own tensor, or (`copy=False`) a view of the graph's buffer that
+        the next replay overwrites, for a caller whose next operation copies anyway."""
         n = x.shape[0]
         bucket = self.bucket(n)
         if not bucket:
@@ -93,4 +94,5 @@ class BatchGraphs:
         self.inputs[:n].copy_(x)
         self.graphs[bucket].replay()
         self.replays += 1
-        return self.outputs[bucket][:n].clone()  # the next replay overwrites the buffer
+        out = self.outputs[bucket][:n]
+        return out.clone() if copy else out

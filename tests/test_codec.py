@@ -109,11 +109,11 @@ def test_copy_out_to_cuda_equals_the_cpu_copy():
     # Through one reused pinned bounce buffer: the next copies (of any content) take it again.
     from modalmesh.rpc import codec
 
-    buffers = {b.data_ptr() for b in codec._BOUNCE._free}
+    buffers = {b.data_ptr() for b in codec.PINNED._free}
     for i in range(3):
         again = from_proto(to_proto(torch.full((256, 3584), float(i)).to(torch.bfloat16)))
         assert torch.equal(copy_out(again, "cuda").cpu(), again)
-    assert {b.data_ptr() for b in codec._BOUNCE._free} == buffers and buffers
+    assert {b.data_ptr() for b in codec.PINNED._free} == buffers and buffers
 
 
 def test_pinned_buffers_lend_the_smallest_fitting_and_keep_a_few():

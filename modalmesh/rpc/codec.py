@@ -73,15 +73,16 @@ def host_bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 def layout(message: pb.Tensor, name: str = "tensor") -> tuple[torch.dtype, tuple[int, ...], int]:
-    """A wire Tensor's dtype, shape and byte count, checked (known dtype, no negative dimension):
-    what a reader of a shared-memory slab or a CUDA IPC handle must know before it copies."""
+    """A wire Tensor's dtype, shape and byte count, checked (known dtype, no negative dimension): what
+    every reader (message bytes, a shared-memory slab, a CUDA IPC handle) must know before it copies."""
     dtype = TORCH_DTYPES.get(message.dtype)
     if dtype is None:
-        raise InvalidArgument(f"{name}: unknown dtype {dtype_name(message.dtype)}")
+        raise InvalidArgument(f"{name}: unknown or unspecified dtype {dtype_name(message.dtype)} "
+                              f"(expected one of {', '.join(pb.DType.Name(d) for d in TORCH_DTYPES)})")
     shape = tuple(int(d) for d in message.shape)
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
-    return dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
 def to_payload(tensor: torch.Tensor) -> tuple[pb.Tensor, bytes]:
@@ -130,35 +131,27 @@ def from_payload(
     device: torch.device | str | None = None,
     copy: bool = False,
 ) -> torch.Tensor:
-    """Decode `meta`'s dtype and shape over `data` (bytes or a memoryview, aliased unless `copy`)."""
-    dtype = TORCH_DTYPES.get(meta.dtype)
-    if dtype is None:
-        raise InvalidArgument(
-            f"{name}: unknown or unspecified dtype {dtype_name(meta.dtype)} "
-            f"(expected one of {', '.join(pb.DType.Name(d) for d in TORCH_DTYPES)})"
-        )
-    shape = tuple(int(d) for d in meta.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{name}: negative dimension in shape {list(shape)}")
+    """Decode `meta`'s dtype and shape over `data` (bytes or a memoryview, aliased unless `copy`); onto
+    a GPU through `copy_out` (a pinned bounce buffer, the transfer stream)."""
+    dtype, shape, expected = layout(meta, name)
     if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > MAX_EXTENT:
         # Even an empty tensor (a 0 dimension) has strides: torch cannot lay out one this large.
         raise InvalidArgument(f"{name}: shape {list(shape)} is too large (at most {MAX_DIMS} dimensions and "
                               f"{MAX_EXTENT} elements ignoring zero dimensions)")
-    numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = numel * itemsize
     if len(data) != expected:
         raise InvalidArgument(
             f"{name}: data holds {len(data)} bytes but shape {list(shape)} of "
             f"{dtype_name(meta.dtype)} needs {expected}"
         )
-    if numel == 0:
+    if expected == 0:
         out = torch.empty(shape, dtype=dtype)
     else:
         out = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
         if copy:
             out = out.clone()
-    return out if device is None else out.to(device)
+    if device is None:
+        return out
+    return copy_out(out, device) if torch.device(device).type == "cuda" else out.to(device)
 
 
 _TRANSFER_STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -201,7 +194,7 @@ class PinnedBuffers:
                 self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
-_BOUNCE = PinnedBuffers()  # host -> CUDA copies of pageable sources (message bytes, shared-memory slabs)
+PINNED = PinnedBuffers()  # every copy between pageable host memory and a GPU in this process
 
 
 def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
@@ -220,7 +213,7 @@ def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> tor
         # pageable memory (a slab, the message) moved 250-400 MB/s on the H200 host (the driver stages
         # it in small pinned chunks, synchronously): 7 ms per 1.8 MB image, the whole LLM-side cost.
         n = src.numel() * src.element_size()
-        bounce = _BOUNCE.take(n) if n and src.is_contiguous() and not src.is_pinned() else None
+        bounce = PINNED.take(n) if n and src.is_contiguous() and not src.is_pinned() else None
         stream = transfer_stream(target)
         try:
             if bounce is not None:
@@ -233,7 +226,7 @@ def copy_out(src: torch.Tensor, device: torch.device | str | None = None) -> tor
             stream.synchronize()  # done before the buffer (or the caller's source) is used again
         finally:
             if bounce is not None:
-                _BOUNCE.give_back(bounce)
+                PINNED.give_back(bounce)
         out.record_stream(torch.cuda.current_stream(target))  # its memory is the caller's stream's once freed
         return out
     if target.type != "cpu":
@@ -257,7 +250,7 @@ def copy_to_host(tensor: torch.Tensor, dst: torch.Tensor, ready: "torch.cuda.Eve
     """
     if tensor.device.type == "cuda":
         n = dst.numel()
-        bounce = _BOUNCE.take(n) if n and not dst.is_pinned() else None
+        bounce = PINNED.take(n) if n and not dst.is_pinned() else None
         stream = transfer_stream(tensor.device)
         try:
             with torch.cuda.stream(stream):
@@ -270,7 +263,7 @@ def copy_to_host(tensor: torch.Tensor, dst: torch.Tensor, ready: "torch.cuda.Eve
                 np.copyto(dst.numpy(), bounce[:n].numpy())
         finally:
             if bounce is not None:
-                _BOUNCE.give_back(bounce)
+                PINNED.give_back(bounce)
         return
     flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     if flat.numel():

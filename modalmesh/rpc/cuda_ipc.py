@@ -31,10 +31,6 @@ from modalmesh.rpc.shm import ShmExporter, ShmReader
 log = logging.getLogger(__name__)
 
 
-def cuda_ipc_available() -> bool:
-    return torch.cuda.is_available()
-
-
 class CudaIpcExporter:
     """Encoder side: shares answers' GPU storage and keeps each alive while its lease is."""
 

@@ -29,7 +29,7 @@ import torch
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc import wire
-from modalmesh.rpc.codec import (PinnedBuffers, copy_out, copy_to_host, from_payload, host_bytes_view, nbytes,
+from modalmesh.rpc.codec import (PINNED, copy_out, copy_to_host, from_payload, host_bytes_view, nbytes,
                                  payload_nbytes)
 from modalmesh.rpc.shm import SharedMemoryGone, ShmExporter, ShmProbe, ShmReader
 
@@ -80,7 +80,7 @@ class EmbeddingSender:
         # a thread of its own waits for it (not the preprocessing pool, whose threads must keep preparing).
         self.executor = executor
         self.metrics = metrics
-        self.pinned = PinnedBuffers()
+        self.pinned = PINNED  # the process's one pool of pinned buffers
         self.ipc = None
         if cuda_ipc and shm is not None:
             from modalmesh.rpc.cuda_ipc import CudaIpcExporter

@@ -15,12 +15,13 @@ DESCRIPTION = "modalmesh audio encoder: EncoderService over an audio tower (Whis
 DEFAULT_MAX_AUDIO_SECONDS = 600.0
 WHISPER_ROWS = ("valid", "full")
 PREPROCESS_DEVICES = ("auto", "cpu", "device")
+# 16 windows of 30 s (3000 mel frames each): Whisper-large's best batch on an H200 (bench/audio.py).
+MAX_BATCH_TOKENS = 48000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     encoder_flags.add_arguments(parser)
-    # 16 windows of 30 s (3000 mel frames each): Whisper-large's best batch on an H200 (bench/audio.py).
-    parser.set_defaults(max_batch_tokens=48000)
+    parser.set_defaults(max_batch_tokens=MAX_BATCH_TOKENS)
     parser.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
                         help="longest clip accepted (longer: INVALID_ARGUMENT)")
     parser.add_argument("--whisper-rows", default="valid", choices=WHISPER_ROWS,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import struct
 from dataclasses import dataclass
 from itertools import accumulate
@@ -48,7 +49,7 @@ from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.models import build_and_load, pick
 from modalmesh.rpc.codec import from_proto
 from modalmesh.weights import LoadReport
-from modalmesh.batch_graphs import MAX_BATCH as MAX_GRAPH_BATCH, BatchGraphs
+from modalmesh.batch_graphs import BatchGraphs
 from modalmesh.staging import HostStaging
 from services.audio_encoder.audio import (
     DEFAULT_RESAMPLER,
@@ -75,6 +76,7 @@ log = logging.getLogger(__name__)
 
 from services.audio_encoder.flags import (  # noqa: E402 - flag defaults
     DEFAULT_MAX_AUDIO_SECONDS,
+    MAX_BATCH_TOKENS,
     PREPROCESS_DEVICES,
     WHISPER_ROWS,
 )
@@ -87,6 +89,7 @@ class AudioOptions:
     preprocess_device: str = "auto"  # where resampling + log-mel run: "cpu", "device", or auto (device on CUDA)
     warmup: bool = True
     cuda_graphs: bool = True  # Whisper on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
+    max_batch_tokens: int = MAX_BATCH_TOKENS  # the batcher's budget: graphs for the batches it can form
 
     def preprocess_on_device(self, device: torch.device) -> bool:
         if self.preprocess_device == "auto":
@@ -96,7 +99,8 @@ class AudioOptions:
     @classmethod
     def from_dict(cls, options: dict | None) -> AudioOptions:
         options = dict(options or {})
-        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup", "cuda_graphs"}
+        unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup", "cuda_graphs",
+                            "max_batch_tokens"}
         if unknown:
             raise ConfigError(f"unknown audio encoder options: {', '.join(sorted(unknown))}")
         out = cls(**{k: v for k, v in options.items() if v is not None})
@@ -145,7 +149,13 @@ class AudioEncoderModel(EncoderModel):
         self.graphs = None  # Whisper's windows all have one shape: its tower replays a graph per batch bucket
         if self.device.type == "cuda" and not self.packed and self.options.cuda_graphs:
             self.graphs = BatchGraphs.capture(self.module, item_shape=(self.dims.n_mels, self.dims.window_frames),
-                                              dtype=dtype, device=self.device, max_batch=MAX_GRAPH_BATCH)
+                                              dtype=dtype, device=self.device, max_batch=self._largest_batch())
+
+    def _largest_batch(self) -> int:
+        """The most windows the batcher can put in one batch: its budget's worth, or the longest clip
+        allowed, which runs alone when it is larger than the budget."""
+        longest = math.ceil(self.options.max_audio_seconds / self.features.chunk_length)
+        return max(1, self.options.max_batch_tokens // self.dims.window_frames, longest)
 
     # ---- per item, CPU ----------------------------------------------------------------------
     def cache_key(self, item: pb.EncodeItem, index: int) -> bytes | None:
@@ -250,7 +260,8 @@ class AudioEncoderModel(EncoderModel):
             if self.packed:
                 out = self.module(mel, index=index.with_tensors(extra))
             else:
-                hidden = (self.graphs or self.module)(mel)  # (windows, 1500, d)
+                # (windows, 1500, d); a replay's own buffer is fine: index_select copies before the next
+                hidden = self.graphs(mel, copy=False) if self.graphs is not None else self.module(mel)
                 out = hidden.flatten(0, 1).index_select(0, extra[0])
         # Views of one tensor on the device: the transport takes them from there (no per-item copies).
         return [EncodedItem(embedding=e, valid_length=p.meta["valid_length"])

@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 
 MAX_MESSAGE_MB = 128
+MAX_BATCH_ITEMS = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=16384,
                         help="batch budget in patches (vision) or mel frames (audio)")
-    parser.add_argument("--max-batch-items", type=int, default=64)
+    parser.add_argument("--max-batch-items", type=int, default=MAX_BATCH_ITEMS)
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="how long a batch waits for concurrent requests to join")
     parser.add_argument("--max-queue", type=int, default=1024, help="queued items beyond this: RESOURCE_EXHAUSTED")

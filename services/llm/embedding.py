@@ -14,7 +14,7 @@ import torch
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument
-from modalmesh.rpc.codec import WIRE_DTYPES, dtype_name, from_proto
+from modalmesh.rpc.codec import dtype_name, from_proto, transfer_stream
 
 FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
@@ -35,20 +35,26 @@ class Embedding:
 
     def check(self, index: int, hidden_size: int) -> None:
         """What the splicer needs: float rows of the model's width, finite, as many as stated."""
-        tensor = self.tensor
-        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise InvalidArgument(f"items[{index}].embedding: dtype {dtype_name(WIRE_DTYPES.get(tensor.dtype, 0))} "
-                                  "is not a float type (FLOAT32, FLOAT16, BFLOAT16)")
+        tensor = self.tensor  # a float one: both ways in (`from_client`, the encoder pools) refuse others
         if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
             raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "
                                   f"(rows, {hidden_size})")
         if tensor.shape[0] == 0:
             raise InvalidArgument(f"items[{index}].embedding has no rows")
-        if not bool(torch.isfinite(tensor).all()):  # they would reach every logit of the request: NaN logprobs
+        if not _all_finite(tensor):  # they would reach every logit of the request: NaN logprobs
             raise InvalidArgument(f"items[{index}].embedding contains NaN or infinite values")
         rows = self.num_placeholder_tokens
         if rows and rows != tensor.shape[0]:
             raise InvalidArgument(f"items[{index}]: num_placeholder_tokens {rows} != embedding rows {tensor.shape[0]}")
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """On a GPU, checked on the transfer stream that brought the rows (already done with them): on the
+    engine's stream the check, on the event loop, would wait for the step running there."""
+    if not tensor.is_cuda:
+        return bool(torch.isfinite(tensor).all())
+    with torch.cuda.stream(transfer_stream(tensor.device)):
+        return bool(torch.isfinite(tensor).all())
 
 
 def from_client(item: pb.MultimodalItem, index: int, device: torch.device | None = None) -> Embedding:

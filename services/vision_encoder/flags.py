@@ -15,14 +15,15 @@ NAME = "vision_encoder"
 DESCRIPTION = "modalmesh vision encoder: EncoderService over a vision tower."
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
 SIGLIP_OUTPUTS = ("patch", "pooled", "both")  # SigLIP's rows: patch embeddings, the pooled one, or both
-PREPROCESS_DEVICES = ("auto", "cpu", "device")  # where resize / normalise / patchify run (device_preprocess.py)
+PREPROCESS_DEVICES = ("auto", "cpu", "device")
+# Room for SigLIP-so400m's best batch on an H200 (32 images of 729 patches, bench/vision.py) and for
+# 32 Qwen2-VL images of 448² (1024 patches each); the shared default (16384) stopped SigLIP at 22.
+MAX_BATCH_TOKENS = 32768  # where resize / normalise / patchify run (device_preprocess.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     encoder_flags.add_arguments(parser)
-    # Room for SigLIP-so400m's best batch on an H200 (32 images of 729 patches, bench/vision.py) and for
-    # 32 Qwen2-VL images of 448² (1024 patches each); the shared default (16384) stopped SigLIP at 22.
-    parser.set_defaults(max_batch_tokens=32768)
+    parser.set_defaults(max_batch_tokens=MAX_BATCH_TOKENS)
     parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                         help="largest decoded image accepted (width*height, checked before decoding)")
     parser.add_argument("--max-image-decoded-mb", type=float, default=DEFAULT_MAX_DECODED_BYTES / MiB,

@@ -35,9 +35,11 @@ from modalmesh import pb
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
 from modalmesh.models import build_and_load, pick
-from modalmesh.batch_graphs import MAX_BATCH as MAX_GRAPH_BATCH, BatchGraphs
+from modalmesh.batch_graphs import BatchGraphs
 from modalmesh.staging import HostStaging
+from services.encoder import flags as encoder_flags
 from services.vision_encoder import device_preprocess as dp
+from services.vision_encoder import flags as vision_flags
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.decode_memory import (
     DEFAULT_DECODE_MEMORY,
@@ -59,6 +61,9 @@ DEFAULT_OPTIONS = {
     "siglip_output": "patch",  # "patch" | "pooled" | "both"
     "preprocess_device": "auto",  # "auto" (device on CUDA) | "cpu" (exact PIL path) | "device"
     "cuda_graphs": True,  # SigLIP on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
+    # The batcher's limits: graphs are captured for the batch sizes it can form, no larger.
+    "max_batch_items": encoder_flags.MAX_BATCH_ITEMS,
+    "max_batch_tokens": vision_flags.MAX_BATCH_TOKENS,
 }
 
 
@@ -105,13 +110,18 @@ class VisionEncoderModel(EncoderModel):
         self.graphs = None  # SigLIP's images all have one shape: its tower replays a graph per batch bucket
         if self.device.type == "cuda" and not self.native and self.options["cuda_graphs"]:
             self.graphs = BatchGraphs.capture(self.tower, item_shape=(3, self.processor.height, self.processor.width),
-                                              dtype=dtype, device=self.device, max_batch=MAX_GRAPH_BATCH)
+                                              dtype=dtype, device=self.device, max_batch=self._largest_batch())
         if int(self.options["max_image_pixels"]) > (Image.MAX_IMAGE_PIXELS or 0):
             Image.MAX_IMAGE_PIXELS = int(self.options["max_image_pixels"])  # ours is checked before decoding
         self._key_base = hashlib.sha256(b"\0".join([
             self.architecture.encode(), self.processor.digest(), str(self.options["siglip_output"]).encode(),
             str(dtype).encode(), self.preprocess.encode(),  # the two paths' pixels differ slightly
         ])).digest()
+
+    def _largest_batch(self) -> int:
+        """The most images the batcher can put in one batch (`cost` is num_patches an image)."""
+        return min(int(self.options["max_batch_items"]),
+                   max(1, int(self.options["max_batch_tokens"]) // self.tower.num_patches))
 
     def _processor(self, cls) -> pp.ImageProcessorConfig:
         tower = self.tower

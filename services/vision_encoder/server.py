@@ -35,7 +35,8 @@ class VisionEncoderService(EncoderService):
                 "max_request_pixels": args.max_request_pixels,
                 "siglip_output": args.siglip_output,
                 "preprocess_device": args.preprocess_device,
-                "cuda_graphs": not args.enforce_eager}
+                "cuda_graphs": not args.enforce_eager,
+                "max_batch_items": args.max_batch_items, "max_batch_tokens": args.max_batch_tokens}
 
     def build_model(self) -> VisionEncoderModel:
         model = build_encoder_model(
