@@ -105,7 +105,8 @@ class Attention(nn.Module):
         offset = layout == "dense" and self.causal and q.shape[1] != k.shape[1]
         route = self.selector.route(self.selection, layout, q.dtype, q.device, page_size, offset)
         if layout == "paged" and meta.token_seq is not None and not route.backend.spec.graph_safe:
-            meta = meta.per_token_as_decode()  # per-token form: only graph-safe kernels read it as it is
+            # Per-token form: only graph-safe kernels read it as it is; converted once a step, not per layer.
+            meta = meta.cached("per_token_as_decode", meta.per_token_as_decode)
         if route.rerouted_from is not None:
             self.selector.count_reroute(self.selection, route)
         if layout == "paged" and not kv_written:  # kv_written: the caller's fused kernel stored them

@@ -273,14 +273,12 @@ class ModelRunner:
             last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
-        carry = self._carry(ids, step, last_rows, previous)
         graph = self._per_token(step, bucket) if bucket else {}
         if graph:
             pad = bucket - len(ids)
-            ids += [0] * pad
+            ids += [0] * pad  # padding ids are never PENDING: `_carry` below leaves them alone
             positions.append(torch.zeros((*positions[0].shape[:-1], pad), dtype=torch.int64))
-            if carry:
-                carry["carry"] = torch.cat([carry["carry"], torch.full((pad,), -1, dtype=torch.int64)])
+        carry = self._carry(ids, step, last_rows, previous)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.cat(positions, dim=-1),
             query_lens=tuple(query_lens), context_lens=tuple(context_lens),
@@ -291,15 +289,14 @@ class ModelRunner:
     def _per_token(self, step: Step, bucket: int) -> dict:
         """A mixed graph's per-token inputs, padded to `bucket`: each token's KV slot, block-table row and
         causal length. {} when the tokens would re-read more context than an eager step costs."""
-        if sum(c.length * (2 * c.start + c.length + 1) // 2 for c in step.chunks) > PER_TOKEN_BUDGET:
+        ctx = [n for c in step.chunks for n in range(c.start + 1, c.start + c.length + 1)]
+        if sum(ctx) > PER_TOKEN_BUDGET:  # the context the per-token attention re-reads (MixedPlan's measure)
             return {}
-        alloc, page = self.pool.allocator, self.pool.page_size
-        slots, seq_rows, ctx = [], [], []
+        alloc = self.pool.allocator
+        slots, seq_rows = [], []
         for row, c in enumerate(step.chunks):
-            pages = alloc.pages(c.seq.seq_id)
-            slots += [pages[p // page] * page + p % page for p in range(c.start, c.start + c.length)]
+            slots += alloc.slot_mapping(c.seq.seq_id, c.start, c.start + c.length)
             seq_rows += [row] * c.length
-            ctx += range(c.start + 1, c.start + c.length + 1)
         pad = bucket - len(slots)
         return dict(slot_mapping=torch.tensor(slots + [self.graphs.scratch_slot] * pad, dtype=torch.int64),
                     graph_tokens=bucket, token_seq=torch.tensor(seq_rows + [0] * pad, dtype=torch.int64),
