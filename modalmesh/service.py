@@ -222,12 +222,7 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
                  metrics: metrics_mod.Metrics, stop: asyncio.Event) -> int:
     server = GrpcServer(config, metrics)
     service.register(server)
-    metrics_port = -1
-    if args.metrics_port >= 0:
-        try:
-            metrics_port = metrics.start_exporter(args.host, args.metrics_port)
-        except OSError as exc:
-            raise PortInUse("metrics", f"{args.host}:{args.metrics_port}", "--metrics-port", exc.strerror) from None
+    metrics_port = start_metrics_exporter(metrics, args.host, args.metrics_port)
 
     def listening(port: int) -> None:
         # One machine-readable line: the stack launcher and tests read the bound ports here.
@@ -242,8 +237,19 @@ async def _serve(service: Service, config: ServerConfig, args: argparse.Namespac
         metrics.stop_exporter()
 
 
+def start_metrics_exporter(metrics: metrics_mod.Metrics, host: str, port: int) -> int:
+    """The /metrics port bound (-1: none asked for); PortInUse naming --metrics-port when it cannot be
+    bound. Every process of the shell (the gRPC services and the HTTP gateway) starts its exporter here."""
+    if port < 0:
+        return -1
+    try:
+        return metrics.start_exporter(host, port)
+    except OSError as exc:
+        raise PortInUse("metrics", f"{host}:{port}", "--metrics-port", exc.strerror) from None
+
+
 class PortInUse(ConfigError):
-    """A port the service was told to bind cannot be bound: says which (gRPC or metrics) and its flag."""
+    """A port the service was told to bind cannot be bound: says which (gRPC, HTTP or metrics) and its flag."""
 
     def __init__(self, what: str, address: str, flag: str, reason: str | None):
         super().__init__(f"cannot bind the {what} port {address} ({reason or 'in use, or not an address here'}): "

@@ -242,3 +242,16 @@ def test_service_help_imports_no_torch_and_lists_every_flag_the_service_parses(s
             return parser
     assert result.stdout == full().format_help()
     assert "(default:" in result.stdout
+
+
+@pytest.mark.parametrize("flag,what", [("--port", "HTTP"), ("--metrics-port", "metrics")])
+def test_the_gateway_on_a_taken_port_says_which_port_and_flag_as_the_services_do(busy_port, flag, what):
+    """The gateway runs in the services' process shell: a taken port is the same one line and exit 2 (it
+    returned 1 for HTTP, and a taken metrics port was a traceback after HTTP was bound)."""
+    other = "--metrics-port" if flag == "--port" else "--port"
+    result = subprocess.run([sys.executable, "-m", "services.gateway", flag, str(busy_port), other, "0",
+                             "--host", "127.0.0.1", "--llm", "127.0.0.1:9"], capture_output=True, text=True, env=ENV, timeout=120, cwd=REPO)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    env = "MODALMESH_PORT" if flag == "--port" else "MODALMESH_METRICS_PORT"
+    assert last.startswith(f"error: cannot bind the {what} port 127.0.0.1:{busy_port}") and flag in last and env in last

@@ -37,7 +37,7 @@ from aiohttp import web
 import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
-from modalmesh.service import run_process
+from modalmesh.service import PortInUse, run_process, start_metrics_exporter
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
 from services.gateway.backends import Backend
@@ -462,14 +462,16 @@ async def serve(config: GatewayConfig, metrics: metrics_mod.Metrics, stop: async
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     try:
-        await web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context).start()
-    except OSError as exc:
-        log.error("cannot bind HTTP to %s:%d: %s", config.host, config.port, exc)
+        try:
+            await web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context).start()
+        except OSError as exc:
+            raise PortInUse("HTTP", f"{config.host}:{config.port}", "--port", exc.strerror) from None
+        metrics_port = start_metrics_exporter(metrics, config.host, config.metrics_port)
+    except PortInUse:  # the shell says it in one line and exits 2, as for every service
         await runner.cleanup()
         await gateway.close()
-        return 1
+        raise
     port = runner.addresses[0][1]
-    metrics_port = metrics.start_exporter(config.host, config.metrics_port) if config.metrics_port >= 0 else -1
     metrics.ready.set(0)
     gateway.start()
     # One machine-readable line, as the other services log theirs (launch.GatewayProcess reads it).
