@@ -3,8 +3,8 @@
     python3 scripts/cuda_ipc_probe.py
 
 Two children each open memory the parent shares: one through torch.multiprocessing's own CUDA
-IPC (no modalmesh code), one through the fields modalmesh's CudaIpcRef carries (the parent's
-`_share_cuda_()` put through the proto and opened as modalmesh/rpc/cuda_ipc.py opens it). The
+IPC (no modalmesh code), one through modalmesh's own code (modalmesh/rpc/cuda_ipc.py: `share` in
+the parent, the CudaIpcRef through the proto, `copy_shared` in the child). The
 CUDA IPC transfer path falls back to shared memory when a handle does not open; this tells a
 platform without CUDA IPC from a bug of ours.
 """
@@ -26,22 +26,15 @@ def torch_child(queue, answers):
 def wire_child(message: bytes, answers):
     try:
         from modalmesh import pb
+        from modalmesh.rpc.cuda_ipc import copy_shared
 
-        ref = pb.CudaIpcRef.FromString(message)
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            0, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
-            ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
-        src = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage, ref.offset, (ref.nbytes,), (1,))
-        total = float(src.clone().view(torch.float32).sum())
-        answers.put(f"modalmesh wire form: works, the child read sum {total:.1f}")
+        out = copy_shared(pb.CudaIpcRef.FromString(message), torch.device("cuda"))
+        answers.put(f"modalmesh wire form: works, the child read sum {float(out.view(torch.float32).sum()):.1f}")
     except Exception as exc:  # noqa: BLE001
         answers.put(f"modalmesh wire form: failed: {type(exc).__name__}: {exc}".splitlines()[0])
 
 
 if __name__ == "__main__":
-    from modalmesh import pb
-
     print("PYTORCH_CUDA_ALLOC_CONF =", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     ctx = mp.get_context("spawn")
     x = torch.arange(1024, dtype=torch.float32, device="cuda")
@@ -52,12 +45,12 @@ if __name__ == "__main__":
     print(answers.get(timeout=120))
     child.join(30)
 
+    from modalmesh.rpc.cuda_ipc import share  # after the first child: it proves torch alone
+
     y = (x * 2).clone()
-    (_device, handle, size, offset, counter, counter_offset, event, event_sync) = y.untyped_storage()._share_cuda_()
-    ref = pb.CudaIpcRef(device=0, handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
-                        ref_counter_handle=counter, ref_counter_offset=counter_offset, event_handle=event or b"",
-                        event_sync_required=bool(event_sync), offset=y.storage_offset() * 4, nbytes=y.numel() * 4)
-    print(f"handle {len(handle)} bytes, storage {size} B at {offset}, event_sync {event_sync}")
+    ref = share(y)  # what the encoder's CudaIpcExporter puts in its answer, less the lease
+    print(f"handle {len(ref.handle)} bytes, storage {ref.storage_size_bytes} B at {ref.storage_offset_bytes}, "
+          f"event_sync {ref.event_sync_required}")
     answers = ctx.Queue()
     child = ctx.Process(target=wire_child, args=(ref.SerializeToString(), answers))
     child.start()

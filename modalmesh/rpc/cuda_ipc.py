@@ -65,16 +65,11 @@ class CudaIpcExporter:
         if ready is not None:
             ready.synchronize()  # the batch that made it has run: the reader may copy at once
         try:
-            (_device, handle, size, offset, counter, counter_offset, event,
-             event_sync) = tensor.untyped_storage()._share_cuda_()
+            ref = share(tensor)
         except Exception as exc:  # noqa: BLE001 - e.g. memory from an allocator without IPC: send bytes
             log.warning("CUDA IPC export failed (%s); sending the embedding another way", exc)
             return None  # the lease slab expires unread
-        ref = pb.CudaIpcRef(device=tensor.device.index or 0, handle=handle, storage_size_bytes=size,
-                            storage_offset_bytes=offset, ref_counter_handle=counter, ref_counter_offset=counter_offset,
-                            event_handle=event or b"", event_sync_required=bool(event_sync),
-                            offset=tensor.storage_offset() * tensor.element_size(), nbytes=nbytes(tensor),
-                            lease=lease.shared_memory)
+        ref.lease.CopyFrom(lease.shared_memory)
         with self._lock:
             self._held[(lease.shared_memory.name, lease.shared_memory.lease)] = tensor
         return pb.Tensor(dtype=meta.dtype, shape=meta.shape, cuda_ipc=ref)
@@ -100,21 +95,41 @@ class CudaIpcReader:
         if device.type != "cuda":
             raise InvalidArgument(f"{name}: a CUDA IPC answer to a receiver on {device}")
         self.shm.leased(ref.lease, 0, name)  # live before the handle is opened: the memory is still the answer
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
-            ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
-        try:
-            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (expected,), (1,))
-            stream = transfer_stream(device)
-            with torch.cuda.stream(stream):
-                out = torch.empty(expected, dtype=torch.uint8, device=device)
-                out.copy_(src)  # within the GPU, or a peer copy from the encoder's
-            stream.synchronize()
-            out.record_stream(torch.cuda.current_stream(device))
-            del src
-        finally:
-            del storage  # closes the mapping (torch's IPC counter tells the producer)
+        out = copy_shared(ref, device)
         self.shm.hand_back(ref.lease, name)
         return out.view(dtype).reshape(shape)
+
+
+def share(tensor: torch.Tensor) -> pb.CudaIpcRef:
+    """The wire description of a CUDA tensor's memory that another process can open (torch's
+    `_share_cuda_`: the allocation's cudaIpcMemHandle, torch's IPC reference counter and event); no
+    lease yet. Raises when the memory cannot be shared."""
+    (_device, handle, size, offset, counter, counter_offset, event,
+     event_sync) = tensor.untyped_storage()._share_cuda_()
+    return pb.CudaIpcRef(device=tensor.device.index or 0, handle=handle, storage_size_bytes=size,
+                         storage_offset_bytes=offset, ref_counter_handle=counter, ref_counter_offset=counter_offset,
+                         event_handle=event or b"", event_sync_required=bool(event_sync),
+                         offset=tensor.storage_offset() * tensor.element_size(), nbytes=nbytes(tensor))
+
+
+def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> torch.Tensor:
+    """`ref.nbytes` bytes of another process's GPU memory, copied into memory of this process's on `device`
+    (uint8): the handle is opened, copied from on the transfer stream (within the GPU, or a peer copy
+    from the producer's) and closed again. Raises RuntimeError when CUDA cannot open it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
+        ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+    try:
+        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
+        stream = transfer_stream(device)
+        with torch.cuda.stream(stream):
+            out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
+            out.copy_(src)
+        stream.synchronize()
+        out.record_stream(torch.cuda.current_stream(device))
+        del src
+    finally:
+        del storage  # closes the mapping (torch's IPC counter tells the producer)
+    return out
