@@ -213,30 +213,44 @@ def mean_batch(proc: ServiceProcess) -> float:
     return sums.get("modalmesh_batch_size_sum", 0) / count if count else float("nan")
 
 
-def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
+def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One row per variant: the same inputs through the service started with each variant's flags."""
     ckpt = checkpoint(case, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")), args.quick)
-    row = {"case": case.name, "unit": case.unit, "target": case.target}
-    row["tower_items_s"] = tower_only(case, ckpt, device, dtype, args.iters, args.quick)
+    tower = float("nan") if args.no_tower else tower_only(case, ckpt, device, dtype, args.iters, args.quick)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the service below gets the GPU's memory back
     n = args.requests or (48 if args.quick else case.requests)
     t0 = time.perf_counter()
     work = items(case, n, args.quick)
-    row["make_inputs_s"] = time.perf_counter() - t0
-    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt), "--dummy-weights",
-             *args.service_flag]  # the service's own batch defaults: what a user gets
-    flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
-    proc = ServiceProcess(case.service, flags).start()
-    try:
-        proc.wait_listening(600)
-        proc.wait_serving(timeout=900)
-        modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
-        row.update(asyncio.run(drive(proc.target, modality, work, args.clients, device)))
-        row["mean_batch"] = mean_batch(proc)
-    finally:
-        proc.terminate(timeout=60)
-    row["service_vs_tower"] = row["items_s"] / row["tower_items_s"]
-    return row
+    make_inputs_s = time.perf_counter() - t0
+    rows = []
+    for name, extra in args.variants:
+        row = {"case": case.name, "variant": name, "unit": case.unit, "target": case.target,
+               "tower_items_s": tower, "make_inputs_s": make_inputs_s}
+        flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
+                 "--dummy-weights", *args.service_flag, *extra]  # the service's own batch defaults: what a user gets
+        flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
+        proc = ServiceProcess(case.service, flags).start()
+        try:
+            proc.wait_listening(600)
+            proc.wait_serving(timeout=900)
+            print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
+            modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
+            row.update(asyncio.run(drive(proc.target, modality, work, args.clients, device)))
+            row["mean_batch"] = mean_batch(proc)
+        finally:
+            proc.terminate(timeout=60)
+        row["service_vs_tower"] = row["items_s"] / tower
+        rows.append(row)
+    return rows
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+    """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8"."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS")
+    return name, flags.split()
 
 
 def main(argv=None) -> int:
@@ -248,18 +262,23 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=10, help="tower-only timing iterations")
     parser.add_argument("--service-flag", action="append", default=[],
                         help="an extra flag for the encoder service (repeat it), e.g. --service-flag=--preprocess-device=cpu")
+    parser.add_argument("--variant", dest="variants", action="append", type=variant, default=[],
+                        help="NAME=FLAGS: also run the service with these extra flags on the same inputs (repeat "
+                             "it; A/B in one run). Without it: one run with the service's defaults")
+    parser.add_argument("--no-tower", action="store_true", help="skip timing the tower alone")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
         args.clients = min(args.clients, 8)
         args.iters = min(args.iters, 2)
-    rows = [run_case(CASES[name], args, device, dtype) for name in args.only.split(",")]
+    args.variants = args.variants or [("default", [])]
+    rows = [row for name in args.only.split(",") for row in run_case(CASES[name], args, device, dtype)]
     print(f"\n{args.clients} concurrent clients, one item per Encode call, embeddings copied to {device}")
-    print(f"{'case':>8} | {'service':>9} | {'tower only':>10} | {'ratio':>5} | {'target':>7} | {'p50 ms':>7} | "
+    print(f"{'case':>8} | {'variant':>12} | {'service':>9} | {'tower only':>10} | {'ratio':>5} | {'target':>7} | {'p50 ms':>7} | "
           f"{'p99 ms':>7} | {'batch':>5}")
     for r in rows:
-        print(f"{r['case']:>8} | {r['items_s']:9.1f} | {r['tower_items_s']:10.1f} | {r['service_vs_tower']:5.2f} | "
+        print(f"{r['case']:>8} | {r['variant']:>12} | {r['items_s']:9.1f} | {r['tower_items_s']:10.1f} | {r['service_vs_tower']:5.2f} | "
               f"{r['target']:7.0f} | {r['p50_ms']:7.1f} | {r['p99_ms']:7.1f} | {r['mean_batch']:5.1f}  ({r['unit']}/s)")
     print("RESULT " + json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     return 0

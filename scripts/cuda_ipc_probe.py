@@ -23,6 +23,24 @@ def torch_child(queue, answers):
         answers.put(f"torch.multiprocessing: failed: {type(exc).__name__}: {exc}".splitlines()[0])
 
 
+def timing_child(messages: list[bytes], answers):
+    """Median cost of one `copy_shared` (open the handle, copy, close) over distinct shared tensors."""
+    import statistics
+    import time
+
+    from modalmesh import pb
+    from modalmesh.rpc.cuda_ipc import copy_shared
+
+    times = []
+    for message in messages:
+        ref = pb.CudaIpcRef.FromString(message)
+        start = time.perf_counter()
+        copy_shared(ref, torch.device("cuda"))
+        times.append(time.perf_counter() - start)
+    answers.put(f"copy_shared of {ref.nbytes / 1e6:.1f} MB: first {times[0] * 1e3:.2f} ms, "
+                f"median of the rest {statistics.median(times[1:]) * 1e3:.3f} ms")
+
+
 def wire_child(message: bytes, answers):
     try:
         from modalmesh import pb
@@ -55,4 +73,22 @@ if __name__ == "__main__":
     child = ctx.Process(target=wire_child, args=(ref.SerializeToString(), answers))
     child.start()
     print(answers.get(timeout=120), f"(expected {float(y.sum()):.1f})")
+    child.join(30)
+
+    # What one handoff costs each side: 20 distinct 1.8 MB answers (a 448x448 image's rows x 3584, bf16).
+    import statistics
+    import time
+
+    held = [torch.randn(256, 3584, device="cuda").to(torch.bfloat16) for _ in range(20)]
+    torch.cuda.synchronize()
+    refs, times = [], []
+    for t in held:
+        start = time.perf_counter()
+        refs.append(share(t).SerializeToString())
+        times.append(time.perf_counter() - start)
+    print(f"share (producer): first {times[0] * 1e3:.2f} ms, median of the rest {statistics.median(times[1:]) * 1e3:.3f} ms")
+    answers = ctx.Queue()
+    child = ctx.Process(target=timing_child, args=(refs, answers))
+    child.start()
+    print(answers.get(timeout=120))
     child.join(30)

@@ -8,6 +8,8 @@
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
 #   bash scripts/device.sh llm-tp2 serve-tp1 serve-tp2 placement                     # issue 17, call 2 of 2
 #   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
+#   bash scripts/device.sh encoder-tests graph-tests ipc-test profile-graphed encode-ab ipc-probe transfer
+#                                                                       # issue 18, diagnosis (kind nvidia-h200)
 #   bash scripts/device.sh encoder-tests encode-load encode-load-before vision-bench audio-bench transfer \
 #       profile-encode                                                  # issue 18, one H200 (kind nvidia-h200)
 #
@@ -120,6 +122,26 @@ for name in "$@"; do
         encode-load-graphs) step encode-load-graphs 100 python3 bench/encode_load.py --only siglip,whisper ;;
         encode-load-eager) step encode-load-eager 100 python3 bench/encode_load.py --only siglip,whisper \
                 --service-flag=--enforce-eager ;;
+        ipc-test) step ipc-test 90 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py ;;
+        profile-graphed)  # the graphed SigLIP service under load: where each thread waits (--idle), who holds the GIL (--gil)
+            python3 bench/encode_load.py --only siglip --no-tower --requests 6144 >"$OUT/profile-graphed-load.log" 2>&1 &
+            load=$!
+            for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
+            for _ in $(seq 150); do grep -q "load starts" "$OUT/profile-graphed-load.log" 2>/dev/null && break; sleep 1; done
+            sleep 3  # past the warm-up calls
+            /tmp/site/bin/py-spy record --pid "$svc" --duration 6 --rate 100 --format raw --threads --idle \
+                -o "$OUT/profile-graphed-idle.txt" >"$OUT/profile-graphed.log" 2>&1 &
+            /tmp/site/bin/py-spy record --pid "$load" --duration 6 --rate 100 --format raw --threads --idle \
+                -o "$OUT/profile-graphed-client.txt" >>"$OUT/profile-graphed.log" 2>&1
+            wait $!
+            /tmp/site/bin/py-spy record --pid "$svc" --duration 6 --rate 100 --format raw --threads --gil \
+                -o "$OUT/profile-graphed-gil.txt" >>"$OUT/profile-graphed.log" 2>&1
+            timeout 60 tail --pid "$load" -f /dev/null
+            echo "== profile-graphed"; grep -c . "$OUT"/profile-graphed-*.txt; grep RESULT "$OUT/profile-graphed-load.log" ;;
+        encode-ab)  # SigLIP through the service, the same inputs, one service start per variant
+            step encode-ab 240 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
+                --variant "switch0.5=--switch-interval-ms=0.5" --variant "inflight1=--batches-in-flight=1" \
+                --variant "prep8=--preprocess-threads=8" --variant "window10=--batch-window-ms=10" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

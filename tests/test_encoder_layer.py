@@ -289,13 +289,14 @@ def test_answers_that_view_one_batch_output_own_their_bytes_in_the_cache(tmp_pat
     asyncio.run(asyncio.wait_for(body(), 60))
 
 
-def test_the_worker_keeps_at_most_two_batches_queued_on_the_device():
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flight):
     """Pipelining with a bound: a batch's answers go back as soon as its work is queued, but the worker waits
-    for the batch before last (its CUDA event), so arrivals pile into the next full batch instead of a
-    stream of small ones. Fake events record which batches were waited for."""
+    for the batch `batches_in_flight` back (its CUDA event), so arrivals pile into the next full batch
+    instead of a stream of small ones. Fake events record which batches were waited for."""
     import collections
 
-    from services.encoder.service import MAX_BATCHES_IN_FLIGHT
+    from services.encoder.config import EncoderServiceConfig
 
     class Event:
         def __init__(self, n):
@@ -304,9 +305,10 @@ def test_the_worker_keeps_at_most_two_batches_queued_on_the_device():
         def synchronize(self):
             self.waited = True
 
-    worker = type("Worker", (), {"_inflight": collections.deque()})()
+    worker = type("Worker", (), {"_inflight": collections.deque(),
+                                 "config": EncoderServiceConfig(batches_in_flight=in_flight)})()
     events = [Event(n) for n in range(5)]
     for i, event in enumerate(events):
         EncoderService._bound_inflight(worker, event)
-        assert len(worker._inflight) == min(i + 1, MAX_BATCHES_IN_FLIGHT)
-    assert [e.waited for e in events] == [True, True, True, False, False]  # the last two still queued
+        assert len(worker._inflight) == min(i + 1, in_flight)
+    assert [e.waited for e in events] == [n < 5 - in_flight for n in range(5)]  # the last ones still queued

@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-items", type=int, default=MAX_BATCH_ITEMS)
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="how long a batch waits for concurrent requests to join")
+    parser.add_argument("--batches-in-flight", type=int, default=2,
+                        help="batches queued on the device at once (1: the next batch is formed only once the "
+                             "last has run)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="Python's GIL switch interval for this process (default: Python's, 5 ms)")
     parser.add_argument("--max-queue", type=int, default=1024, help="queued items beyond this: RESOURCE_EXHAUSTED")
     parser.add_argument("--max-items-per-request", type=int, default=64)
     parser.add_argument("--cache-mb", type=int, default=256, help="embedding cache size (0 disables)")

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,9 +31,6 @@ from services.encoder.cache import Answer, EmbeddingCache
 from services.encoder import flags as encoder_flags
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
-
-MAX_BATCHES_IN_FLIGHT = 2  # queued on the device at once: one running, the next one ready behind it
-
 
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
@@ -60,6 +58,8 @@ class EncoderService(Service):
         super().__init__(args, metrics)
         # The one place an encoder reads its flags: everything below takes this value.
         self.config = config = EncoderServiceConfig.from_args(args, self.model_options(args))
+        if config.switch_interval_s is not None:
+            sys.setswitchinterval(config.switch_interval_s)
         self.model: EncoderModel | None = None
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
@@ -152,11 +152,11 @@ class EncoderService(Service):
     def _bound_inflight(self, ready: torch.cuda.Event) -> None:
         """Pipelining with a bound: the worker hands a batch's answers over as soon as its work is queued, so
         the next batch is prepared and uploaded while the GPU runs this one; but it waits for the batch
-        before last, so at most `MAX_BATCHES_IN_FLIGHT` batches are queued on the device. Without the bound
+        before last, so at most `config.batches_in_flight` batches are queued on the device. Without the bound
         a worker that never waits launches every few arriving items as a batch of its own: many small
         batches where the queue would have made a few full ones."""
         self._inflight.append(ready)
-        while len(self._inflight) > MAX_BATCHES_IN_FLIGHT:
+        while len(self._inflight) > self.config.batches_in_flight:
             self._inflight.popleft().synchronize()
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
