@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -171,30 +172,41 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
 
 
-async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device) -> dict:
+async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device, *,
+                connections: int = 1, distinct: int = 0, threads_of: int | None = None) -> dict:
+    """`distinct` > 0: only the first `distinct` items, over and over (after the warm-up round, every call
+    is an encoder cache hit: the RPC and transfer path without the model). `threads_of`: a pid whose
+    threads' CPU use is sampled over the load (beside this process's)."""
     from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
     from services.llm.encoders import EncoderPool
 
     probe = ShmProbe() if shm_available() else None
-    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device)
+    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device,
+                       connections=connections)
     latencies: list[float] = []
     next_item = iter(range(len(work)))
+    which = (lambda i: i % distinct) if distinct else (lambda i: i)
 
     async def client():
         for i in next_item:
             start = time.perf_counter()
-            _reply, tensor = await pool.encode_one(work[i], i, timeout=600)
+            _reply, tensor = await pool.encode_one(work[which(i)], i, timeout=600)
             if tensor is None:
                 raise RuntimeError("the encoder answered with no embedding")
             latencies.append(time.perf_counter() - start)
 
     try:
         await asyncio.gather(*(client() for _ in range(min(clients, 4))))  # warm: channel, kernels, allocator
+        if distinct:
+            next_item = iter(range(distinct))
+            await asyncio.gather(*(client() for _ in range(min(clients, 4))))  # into the encoder's cache
         latencies.clear()
         next_item = iter(range(min(clients, 4), len(work)))
+        sampler = ThreadCpu([os.getpid()] + ([threads_of] if threads_of else []))
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - start
+        busiest = sampler.busiest()
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
@@ -202,19 +214,48 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
         if probe is not None:
             probe.close()
     return dict(items_s=len(latencies) / wall, p50_ms=percentile(latencies, 50) * 1e3,
-                p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall)
+                p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall, busiest_threads=busiest)
 
 
-def mean_batch(proc: ServiceProcess) -> float:
+class ThreadCpu:
+    """CPU use of every thread of some processes between its making and `busiest()` (Linux /proc)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.start, self.t0 = self._read(), time.perf_counter()
+
+    def _read(self) -> dict[tuple[int, int], tuple[str, int]]:
+        out = {}
+        for pid in self.pids:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    stat = task.joinpath("stat").read_text()
+                except OSError:
+                    continue
+                name = stat[stat.index("(") + 1:stat.rindex(")")]
+                fields = stat[stat.rindex(")") + 2:].split()
+                out[(pid, int(task.name))] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+        return out
+
+    def busiest(self, n: int = 8) -> list[str]:
+        """The `n` busiest threads, as "pid/name: percent of one core"."""
+        end, wall = self._read(), time.perf_counter() - self.t0
+        tick = os.sysconf("SC_CLK_TCK")
+        use = [(ticks - self.start.get(key, (name, 0))[1], key[0], name) for key, (name, ticks) in end.items()]
+        return [f"{pid}/{name}: {100 * t / tick / wall:.0f}%" for t, pid, name in sorted(use, reverse=True)[:n]]
+
+
+def batch_sums(proc: ServiceProcess) -> tuple[float, float]:
+    """The service's batch-size histogram so far: (sum of sizes, batches)."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
     sums = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
             if s.name in ("modalmesh_batch_size_sum", "modalmesh_batch_size_count")}
-    count = sums.get("modalmesh_batch_size_count", 0)
-    return sums.get("modalmesh_batch_size_sum", 0) / count if count else float("nan")
+    return sums.get("modalmesh_batch_size_sum", 0.0), sums.get("modalmesh_batch_size_count", 0.0)
 
 
 def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """One row per variant: the same inputs through the service started with each variant's flags."""
+    """One row per variant: the same inputs through the service started with each variant's flags (a
+    variant with the same service flags as the one before it uses the same service process)."""
     ckpt = checkpoint(case, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")), args.quick)
     tower = float("nan") if args.no_tower else tower_only(case, ckpt, device, dtype, args.iters, args.quick)
     if device.type == "cuda":
@@ -223,30 +264,44 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
     t0 = time.perf_counter()
     work = items(case, n, args.quick)
     make_inputs_s = time.perf_counter() - t0
-    rows = []
-    for name, extra in args.variants:
-        row = {"case": case.name, "variant": name, "unit": case.unit, "target": case.target,
-               "tower_items_s": tower, "make_inputs_s": make_inputs_s}
-        flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
-                 "--dummy-weights", *args.service_flag, *extra]  # the service's own batch defaults: what a user gets
-        flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
-        proc = ServiceProcess(case.service, flags).start()
-        try:
-            proc.wait_listening(600)
-            proc.wait_serving(timeout=900)
+    modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
+    rows, proc, running = [], None, None
+    try:
+        for name, extra in args.variants:
+            row = {"case": case.name, "variant": name, "unit": case.unit, "target": case.target,
+                   "tower_items_s": tower, "make_inputs_s": make_inputs_s}
+            client = {k.removeprefix("@"): int(v) for k, _, v in (f.partition("=") for f in extra if f.startswith("@"))}
+            extra = [f for f in extra if not f.startswith("@")]
+            client.setdefault("connections", args.connections)
+            client.setdefault("distinct", args.distinct)
+            receive = torch.device("cpu") if client.pop("cpu", 0) else device
+            flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
+                     "--dummy-weights", *args.service_flag, *extra]  # the service's own defaults: what a user gets
+            flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
+            if flags != running:
+                if proc is not None:
+                    proc.terminate(timeout=60)
+                proc, running = ServiceProcess(case.service, flags).start(), flags
+                proc.wait_listening(600)
+                proc.wait_serving(timeout=900)
             print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
-            modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
-            row.update(asyncio.run(drive(proc.target, modality, work, args.clients, device)))
-            row["mean_batch"] = mean_batch(proc)
-        finally:
+            before = batch_sums(proc)
+            row.update(asyncio.run(drive(proc.target, modality, work, args.clients, receive,
+                                         threads_of=proc.proc.pid, **client)))
+            after = batch_sums(proc)
+            batches = after[1] - before[1]
+            row["mean_batch"] = (after[0] - before[0]) / batches if batches else float("nan")
+            row["service_vs_tower"] = row["items_s"] / tower
+            rows.append(row)
+    finally:
+        if proc is not None:
             proc.terminate(timeout=60)
-        row["service_vs_tower"] = row["items_s"] / tower
-        rows.append(row)
     return rows
 
 
 def variant(text: str) -> tuple[str, list[str]]:
-    """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8"."""
+    """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8". Flags starting with @ are the
+    load's own: @connections=N, @distinct=K (cache hits), @cpu=1 (embeddings to the CPU)."""
     name, sep, flags = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS")
@@ -266,6 +321,9 @@ def main(argv=None) -> int:
                         help="NAME=FLAGS: also run the service with these extra flags on the same inputs (repeat "
                              "it; A/B in one run). Without it: one run with the service's defaults")
     parser.add_argument("--no-tower", action="store_true", help="skip timing the tower alone")
+    parser.add_argument("--connections", type=int, default=1, help="the client pool's connections to the service")
+    parser.add_argument("--distinct", type=int, default=0,
+                        help="send only this many distinct items, over and over (cache hits: no model work)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -280,6 +338,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['case']:>8} | {r['variant']:>12} | {r['items_s']:9.1f} | {r['tower_items_s']:10.1f} | {r['service_vs_tower']:5.2f} | "
               f"{r['target']:7.0f} | {r['p50_ms']:7.1f} | {r['p99_ms']:7.1f} | {r['mean_batch']:5.1f}  ({r['unit']}/s)")
+    for r in rows:
+        print(f"{r['case']} [{r['variant']}] busiest threads: " + ", ".join(r["busiest_threads"]))
     print("RESULT " + json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     return 0
 

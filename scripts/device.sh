@@ -10,6 +10,7 @@
 #   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
 #   bash scripts/device.sh encoder-tests graph-tests ipc-test profile-graphed encode-ab ipc-probe transfer
 #                                                                       # issue 18, diagnosis (kind nvidia-h200)
+#   bash scripts/device.sh ipc-bisect encode-diag                      # issue 18, diagnosis 2
 #   bash scripts/device.sh encoder-tests encode-load encode-load-before vision-bench audio-bench transfer \
 #       profile-encode                                                  # issue 18, one H200 (kind nvidia-h200)
 #
@@ -142,6 +143,20 @@ for name in "$@"; do
             step encode-ab 240 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
                 --variant "switch0.5=--switch-interval-ms=0.5" --variant "inflight1=--batches-in-flight=1" \
                 --variant "prep8=--preprocess-threads=8" --variant "window10=--batch-window-ms=10" ;;
+        ipc-bisect)  # which earlier CUDA test in the same process makes the CUDA IPC test fail
+            step ipc-after-transfer 120 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py \
+                tests/test_transfer_cuda.py -k "device_answers or cuda_ipc_equals" &
+            step ipc-after-staging-codec 120 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
+                tests/test_codec.py tests/test_transfer_cuda.py -k "cuda" &
+            wait ;;
+        encode-diag)  # where the time goes: cache hits (no model), more connections, embeddings to the CPU
+            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 250 >"$OUT/gpu-util.log" 2>&1 &
+            smi=$!
+            step encode-diag 300 python3 bench/encode_load.py --only siglip,whisper --no-tower --variant default= \
+                --variant "hits=@distinct=64" --variant "conn4=@connections=4" --variant "cpu=@cpu=1"
+            kill $smi
+            grep "busiest" "$OUT/encode-diag.log"
+            sort -n "$OUT/gpu-util.log" | uniq -c | sort -k2 -n | tail -15 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
