@@ -238,11 +238,13 @@ class ThreadCpu:
         return out
 
     def busiest(self, n: int = 8) -> list[str]:
-        """The `n` busiest threads, as "pid/name: percent of one core"."""
+        """Each process's CPU in all, then the `n` busiest threads, as "pid/name: percent of one core"."""
         end, wall = self._read(), time.perf_counter() - self.t0
         tick = os.sysconf("SC_CLK_TCK")
         use = [(ticks - self.start.get(key, (name, 0))[1], key[0], name) for key, (name, ticks) in end.items()]
-        return [f"{pid}/{name}: {100 * t / tick / wall:.0f}%" for t, pid, name in sorted(use, reverse=True)[:n]]
+        totals = [f"{pid} in all: {100 * sum(t for t, p, _ in use if p == pid) / tick / wall:.0f}% over "
+                  f"{sum(p == pid for _, p, _ in use)} threads" for pid in self.pids]
+        return totals + [f"{pid}/{name}: {100 * t / tick / wall:.0f}%" for t, pid, name in sorted(use, reverse=True)[:n]]
 
 
 def batch_sums(proc: ServiceProcess) -> tuple[float, float]:

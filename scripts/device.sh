@@ -157,6 +157,15 @@ for name in "$@"; do
             kill $smi
             grep "busiest" "$OUT/encode-diag.log"
             sort -n "$OUT/gpu-util.log" | uniq -c | sort -k2 -n | tail -15 ;;
+        host-register-probe) step host-register-probe 60 python3 scripts/host_register_probe.py
+            cat "$OUT/host-register-probe.log" ;;
+        encode-threads)  # torch's intra-op threads in the encoder service: 1 (the default on CUDA) against 16
+            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 250 >"$OUT/gpu-util.log" 2>&1 &
+            smi=$!
+            step encode-threads 420 python3 bench/encode_load.py --no-tower --variant threads1= \
+                --variant "threads16=--torch-threads=16"
+            kill $smi
+            grep "busiest" "$OUT/encode-threads.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

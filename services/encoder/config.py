@@ -25,6 +25,7 @@ class EncoderServiceConfig:
     batch_window_s: float = 0.002  # how long a batch waits for concurrent requests to join
     batches_in_flight: int = 2  # queued on the device at once: one running, the next one ready behind it
     switch_interval_s: float | None = None  # the GIL's switch interval; None: Python's
+    torch_threads: int | None = None  # torch's intra-op CPU threads; None: 1 on CUDA, torch's own on the CPU
     max_queue: int = 1024  # queued items beyond this: RESOURCE_EXHAUSTED
     max_items_per_request: int = 64
     cache_bytes: int = 256 * MiB  # embedding cache; 0 disables it
@@ -43,6 +44,7 @@ class EncoderServiceConfig:
             max_batch_tokens=args.max_batch_tokens, max_batch_items=args.max_batch_items,
             batch_window_s=args.batch_window_ms / 1e3, batches_in_flight=max(1, args.batches_in_flight),
             switch_interval_s=None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3,
+            torch_threads=args.torch_threads,
             max_queue=args.max_queue,
             max_items_per_request=args.max_items_per_request, cache_bytes=args.cache_mb * MiB,
             preprocess_threads=args.preprocess_threads, shared_memory=args.shared_memory_transfer == "auto",
