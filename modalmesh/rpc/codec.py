@@ -242,9 +242,9 @@ def copy_to_host(tensor: torch.Tensor, dst: torch.Tensor, ready: "torch.cuda.Eve
     """`tensor`'s raw bytes into `dst`, a host uint8 tensor of exactly that size (a pinned buffer, a slab).
 
     From CUDA: on the transfer stream, after `ready` (recorded where the tensor was made: the
-    copy waits for that work alone, not for the next batch queued behind it). Into pinned or
-    registered memory it is one DMA; into pageable memory (a slab the driver would not register)
-    a DMA into a reused pinned bounce buffer, then one memcpy: a device-to-pageable copy moved
+    copy waits for that work alone, not for the next batch queued behind it). Into pinned memory
+    it is one DMA; into pageable memory (a shared-memory slab) a DMA into a reused pinned bounce
+    buffer, then one memcpy: a device-to-pageable copy moved
     about 400 MB/s on the H200 host, and every answer of the encoder went through it. Done when
     this returns.
     """

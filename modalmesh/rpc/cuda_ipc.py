@@ -65,7 +65,11 @@ class CudaIpcExporter:
         if ready is not None:
             ready.synchronize()  # the batch that made it has run: the reader may copy at once
         try:
-            ref = share(tensor)
+            # torch records the reader's IPC event on the current stream: on the transfer stream, which holds
+            # no compute, it is reached at once. On the compute stream it would be reached only after the
+            # batches queued since, and the reader's stream would wait for them.
+            with torch.cuda.stream(transfer_stream(tensor.device)):
+                ref = share(tensor)
         except Exception as exc:  # noqa: BLE001 - e.g. memory from an allocator without IPC: send bytes
             log.warning("CUDA IPC export failed (%s); sending the embedding another way", exc)
             return None  # the lease slab expires unread
@@ -118,13 +122,16 @@ def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> torch.Tensor:
     from the producer's) and closed again. Raises RuntimeError when CUDA cannot open it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
-        ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+    stream = transfer_stream(device)
+    storage = None
     try:
-        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
-        stream = transfer_stream(device)
         with torch.cuda.stream(stream):
+            # Opened on the transfer stream: torch makes the current stream wait for the producer's event,
+            # and that must be the copy's stream, not the caller's (the LLM engine's).
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
+                ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
             out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
             out.copy_(src)
         stream.synchronize()

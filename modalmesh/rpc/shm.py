@@ -27,7 +27,6 @@ tracker unlinks objects when any process that touched them exits.
 from __future__ import annotations
 
 import collections
-import ctypes
 import errno
 import fcntl
 import logging
@@ -176,30 +175,12 @@ class _Slab:
             raise
         self.capacity = capacity
         self.deadline = math.inf  # when an unreturned lease is given up on
-        self.registered: int | None = None  # the page-locked address; 0: refused; None: not tried
-
-    def host_register(self) -> bool:
-        """Page-lock the mapping for the CUDA driver once (a device copy into it is then a DMA, not a
-        staged memcpy); False where CUDA refuses (it is then copied into as pageable memory)."""
-        if self.registered is None:
-            self.registered = 0
-            try:
-                view = (ctypes.c_char * 1).from_buffer(self.map)
-                pointer = ctypes.addressof(view)
-                del view  # no export may outlive this: the map must stay closable
-                if int(torch.cuda.cudart().cudaHostRegister(pointer, self.capacity, 0)) == 0:
-                    self.registered = pointer
-            except Exception as exc:  # noqa: BLE001 - an optimisation only
-                log.info("shared-memory slab not page-locked: %s", exc)
-        return bool(self.registered)
 
     def returned(self) -> bool:
         return _word(self.map, _LEASE) == _word(self.map, _RETURNED)
 
     def close(self) -> None:
         _unlink(self.path)
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.registered)
         self.map.close()
         os.close(self.fd)
 
@@ -311,8 +292,9 @@ class ShmExporter:
             if not isinstance(data, torch.Tensor):
                 slab.map[HEADER:HEADER + size] = data
             elif size:
-                if data.device.type == "cuda":
-                    slab.host_register()
+                # Never page-locked (cudaHostRegister): where the driver refuses a /dev/shm mapping (the
+                # H200 host does), the failure stays behind as the thread's CUDA error and the next kernel
+                # launched there raised it. A device answer comes through a pinned bounce buffer instead.
                 copy_to_host(data, torch.frombuffer(slab.map, dtype=torch.uint8, count=size, offset=HEADER), ready)
         except BaseException:
             slab.close()  # half written: never handed out

@@ -70,7 +70,7 @@ class EncoderService(Service):
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
-        # Its own threads: a response may wait there for its batch on the GPU (EmbeddingSender.respond).
+        # Its own threads, for answers too large to copy on the event loop (EmbeddingSender.respond).
         self._send_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.name}-send")
         # Same-host callers on CUDA too may read answers straight from this GPU (CUDA IPC, on top of shm).
         self.sender = EmbeddingSender(shm=self.shm, executor=self._send_pool, metrics=metrics,
@@ -113,6 +113,7 @@ class EncoderService(Service):
             await self.batcher.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._send_pool.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
         if self.shm is not None:
             self.shm.close()
 
