@@ -181,8 +181,8 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
     from services.llm.encoders import EncoderPool
 
     probe = ShmProbe() if shm_available() else None
-    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device,
-                       connections=connections)
+    more = {"connections": connections} if connections != 1 else {}  # (the code before issue 18 has no such option)
+    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device, **more)
     latencies: list[float] = []
     next_item = iter(range(len(work)))
     which = (lambda i: i % distinct) if distinct else (lambda i: i)
