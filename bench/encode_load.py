@@ -173,10 +173,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device, *,
-                connections: int = 1, distinct: int = 0, threads_of: int | None = None) -> dict:
+                connections: int = 1, distinct: int = 0, threads_of: int | None = None,
+                readings=None) -> dict:
     """`distinct` > 0: only the first `distinct` items, over and over (after the warm-up round, every call
     is an encoder cache hit: the RPC and transfer path without the model). `threads_of`: a pid whose
-    threads' CPU use is sampled over the load (beside this process's)."""
+    threads' CPU use is sampled over the load (beside this process's). `readings`: called with no
+    argument just before and just after the timed load (the service's metrics then)."""
     from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
     from services.llm.encoders import EncoderPool
 
@@ -184,7 +186,8 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
     more = {"connections": connections} if connections != 1 else {}  # (the code before issue 18 has no such option)
     pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device, **more)
     latencies: list[float] = []
-    next_item = iter(range(len(work)))
+    warm = min(clients, 4)
+    next_item = iter(range(warm))  # the clients share one iterator: each takes the next item
     which = (lambda i: i % distinct) if distinct else (lambda i: i)
 
     async def client():
@@ -196,25 +199,29 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
             latencies.append(time.perf_counter() - start)
 
     try:
-        await asyncio.gather(*(client() for _ in range(min(clients, 4))))  # warm: channel, kernels, allocator
+        await asyncio.gather(*(client() for _ in range(warm)))  # warm: channel, kernels, allocator
         if distinct:
             next_item = iter(range(distinct))
-            await asyncio.gather(*(client() for _ in range(min(clients, 4))))  # into the encoder's cache
+            await asyncio.gather(*(client() for _ in range(warm)))  # into the encoder's cache
         latencies.clear()
-        next_item = iter(range(min(clients, 4), len(work)))
+        next_item = iter(range(warm, len(work)))
+        before = readings() if readings else None
         sampler = ThreadCpu([os.getpid()] + ([threads_of] if threads_of else []))
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - start
         busiest = sampler.busiest()
+        after = readings() if readings else None
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
         await pool.close()
         if probe is not None:
             probe.close()
-    return dict(items_s=len(latencies) / wall, p50_ms=percentile(latencies, 50) * 1e3,
-                p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall, busiest_threads=busiest)
+    return dict(items_s=len(latencies) / wall, mean_ms=statistics.mean(latencies) * 1e3,
+                p50_ms=percentile(latencies, 50) * 1e3,
+                p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall, busiest_threads=busiest,
+                readings=(before, after))
 
 
 class ThreadCpu:
@@ -247,12 +254,34 @@ class ThreadCpu:
         return totals + [f"{pid}/{name}: {100 * t / tick / wall:.0f}%" for t, pid, name in sorted(use, reverse=True)[:n]]
 
 
-def batch_sums(proc: ServiceProcess) -> tuple[float, float]:
-    """The service's batch-size histogram so far: (sum of sizes, batches)."""
+STAGES = ("prepare", "batch", "device", "respond")
+
+
+def service_sums(proc: ServiceProcess) -> dict[tuple[str, str], float]:
+    """(name, stage) -> value so far, for the _sum and _count of the service's batch sizes, Encode stages
+    and Encode call time."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-    sums = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
-            if s.name in ("modalmesh_batch_size_sum", "modalmesh_batch_size_count")}
-    return sums.get("modalmesh_batch_size_sum", 0.0), sums.get("modalmesh_batch_size_count", 0.0)
+    sums: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if not s.name.endswith(("_sum", "_count")):
+                continue
+            if s.name.startswith(("modalmesh_batch_size_", "modalmesh_encode_stage_seconds_")) or (
+                    s.name.startswith("modalmesh_request_duration_seconds_")
+                    and s.labels.get("rpc", "").endswith("Encode")):
+                key = (s.name, s.labels.get("stage", ""))
+                sums[key] = sums.get(key, 0.0) + s.value
+    return sums
+
+
+def mean_between(before: dict, after: dict, histogram: str, stage: str = "") -> float:
+    """The mean of what `histogram` observed between two `service_sums` readings."""
+    def delta(suffix):
+        key = (histogram + suffix, stage)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    count = delta("_count")
+    return delta("_sum") / count if count else float("nan")
 
 
 def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -287,12 +316,13 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
                 proc.wait_listening(600)
                 proc.wait_serving(timeout=900)
             print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
-            before = batch_sums(proc)
             row.update(asyncio.run(drive(proc.target, modality, work, args.clients, receive,
-                                         threads_of=proc.proc.pid, **client)))
-            after = batch_sums(proc)
-            batches = after[1] - before[1]
-            row["mean_batch"] = (after[0] - before[0]) / batches if batches else float("nan")
+                                         threads_of=proc.proc.pid, readings=lambda: service_sums(proc), **client)))
+            before, after = row.pop("readings")
+            row["mean_batch"] = mean_between(before, after, "modalmesh_batch_size")
+            row["server_ms"] = mean_between(before, after, "modalmesh_request_duration_seconds") * 1e3
+            row["stages_ms"] = {stage: round(mean_between(before, after, "modalmesh_encode_stage_seconds", stage)
+                                             * 1e3, 2) for stage in STAGES}
             row["service_vs_tower"] = row["items_s"] / tower
             rows.append(row)
     finally:
@@ -341,6 +371,8 @@ def main(argv=None) -> int:
         print(f"{r['case']:>8} | {r['variant']:>12} | {r['items_s']:9.1f} | {r['tower_items_s']:10.1f} | {r['service_vs_tower']:5.2f} | "
               f"{r['target']:7.0f} | {r['p50_ms']:7.1f} | {r['p99_ms']:7.1f} | {r['mean_batch']:5.1f}  ({r['unit']}/s)")
     for r in rows:
+        print(f"{r['case']} [{r['variant']}] mean ms a call: in the service {r['server_ms']:.1f} ("
+              + ", ".join(f"{k} {v}" for k, v in r["stages_ms"].items()) + f"); at the client {r['mean_ms']:.1f}")
         print(f"{r['case']} [{r['variant']}] busiest threads: " + ", ".join(r["busiest_threads"]))
     print("RESULT " + json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     return 0

@@ -67,6 +67,10 @@ SCHEMA: tuple[MetricSpec, ...] = (
                (), _TOKEN_LATENCY),
     # Encoders and VAE.
     MetricSpec("modalmesh_encoded_items_total", "counter", "Items encoded (images, audio clips).", ("modality",)),
+    MetricSpec("modalmesh_encode_stage_seconds", "histogram",
+               "Time an Encode call spends in each stage: prepare (cache keys, decoding, preprocessing), batch "
+               "(waiting for a batch and launching it), device (the batch's work on the GPU), respond (the "
+               "answers out: shared or copied, serialized).", ("stage",), _LATENCY),
     MetricSpec("modalmesh_decoded_images_total", "counter", "Images decoded by the VAE."),
     MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
     MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),

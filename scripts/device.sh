@@ -166,6 +166,10 @@ for name in "$@"; do
                 --variant "threads16=--torch-threads=16"
             kill $smi
             grep "busiest" "$OUT/encode-threads.log" ;;
+        encode-stages)  # where an Encode call's time goes, per stage, under load; cache hits beside
+            step encode-stages 300 python3 bench/encode_load.py --no-tower --variant default= \
+                --variant "hits=@distinct=64"
+            grep "mean ms\|busiest" "$OUT/encode-stages.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

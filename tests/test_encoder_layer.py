@@ -312,3 +312,29 @@ def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flig
         EncoderService._bound_inflight(worker, event)
         assert len(worker._inflight) == min(i + 1, in_flight)
     assert [e.waited for e in events] == [n < 5 - in_flight for n in range(5)]  # the last ones still queued
+
+
+def test_each_encode_call_reports_its_time_per_stage(tmp_path):
+    """A miss passes every stage; a cache hit has no batch and no device stage."""
+
+    async def body():
+        service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                request = pb.EncodeRequest(items=[_item([1.0, 2.0])])
+                await stub.Encode(request)
+                await stub.Encode(request)  # the same content: the embedding cache answers
+        finally:
+            await service.close()
+            await server.stop(0)
+        return metrics
+
+    metrics = asyncio.run(body())
+
+    def count(stage):
+        return metrics.registry.get_sample_value("modalmesh_encode_stage_seconds_count",
+                                                 {"service": "audio_encoder", "stage": stage}) or 0
+
+    assert {stage: count(stage) for stage in ("prepare", "batch", "device", "respond")} == {
+        "prepare": 2, "batch": 1, "device": 1, "respond": 2}

@@ -14,6 +14,7 @@ import asyncio
 import collections
 import dataclasses
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -173,6 +174,7 @@ class EncoderService(Service):
         if n > self.config.max_items_per_request:
             raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.config.max_items_per_request}")
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         keys = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
         )
@@ -203,8 +205,11 @@ class EncoderService(Service):
             else:
                 misses[p.cache_key] = [i]
                 by_key[p.cache_key] = p
+        stages = {"prepare": time.perf_counter() - started}
         if misses:
+            mark = time.perf_counter()
             encoded = await self.batcher.submit([by_key[key] for key in misses])
+            stages["batch"] = time.perf_counter() - mark
             for (key, indices), answer in zip(misses.items(), encoded):
                 self.cache.put(key, answer)
                 for i in indices:
@@ -215,4 +220,13 @@ class EncoderService(Service):
                                      modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        return await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)
+        if misses:
+            mark = time.perf_counter()
+            await self.sender.ready(out)
+            stages["device"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        answer = await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)
+        stages["respond"] = time.perf_counter() - mark
+        for stage, seconds in stages.items():
+            self.metrics.encode_stage_seconds.labels(stage=stage).observe(seconds)
+        return answer
