@@ -125,20 +125,19 @@ for name in "$@"; do
                 --service-flag=--enforce-eager ;;
         ipc-test) step ipc-test 90 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py ;;
         profile-graphed)  # the graphed SigLIP service under load: where each thread waits (--idle), who holds the GIL (--gil)
-            python3 bench/encode_load.py --only siglip --no-tower --requests 6144 >"$OUT/profile-graphed-load.log" 2>&1 &
+            P="$OUT/prof"; mkdir -p "$P"
+            python3 bench/encode_load.py --only siglip --no-tower --requests 4096 >"$P/load.log" 2>&1 &
             load=$!
             for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
-            for _ in $(seq 150); do grep -q "load starts" "$OUT/profile-graphed-load.log" 2>/dev/null && break; sleep 1; done
-            sleep 3  # past the warm-up calls
-            /tmp/site/bin/py-spy record --pid "$svc" --duration 6 --rate 100 --format raw --threads --idle \
-                -o "$OUT/profile-graphed-idle.txt" >"$OUT/profile-graphed.log" 2>&1 &
-            /tmp/site/bin/py-spy record --pid "$load" --duration 6 --rate 100 --format raw --threads --idle \
-                -o "$OUT/profile-graphed-client.txt" >>"$OUT/profile-graphed.log" 2>&1
-            wait $!
-            /tmp/site/bin/py-spy record --pid "$svc" --duration 6 --rate 100 --format raw --threads --gil \
-                -o "$OUT/profile-graphed-gil.txt" >>"$OUT/profile-graphed.log" 2>&1
+            for _ in $(seq 150); do grep -q "load starts" "$P/load.log" 2>/dev/null && break; sleep 1; done
+            sleep 2  # past the warm-up calls
+            /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --idle \
+                -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
+            /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --gil \
+                -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
             timeout 60 tail --pid "$load" -f /dev/null
-            echo "== profile-graphed"; grep -c . "$OUT"/profile-graphed-*.txt; grep RESULT "$OUT/profile-graphed-load.log" ;;
+            echo "== profile-graphed"; grep -c . "$P"/*.txt; grep "RESULT\|mean ms" "$P/load.log"
+            tar czf "$OUT/profile-graphed.tgz" -C "$OUT" prof && rm -rf "$P" ;;
         encode-ab)  # SigLIP through the service, the same inputs, one service start per variant
             step encode-ab 240 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
                 --variant "switch0.5=--switch-interval-ms=0.5" --variant "inflight1=--batches-in-flight=1" \
@@ -170,6 +169,16 @@ for name in "$@"; do
             step encode-stages 300 python3 bench/encode_load.py --no-tower --variant default= \
                 --variant "hits=@distinct=64"
             grep "mean ms\|busiest" "$OUT/encode-stages.log" ;;
+        encode-ab3)  # SigLIP: a third batch in flight; a longer batch window
+            step encode-ab3 200 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
+                --variant "inflight3=--batches-in-flight=3" --variant "window6=--batch-window-ms=6"
+            grep "mean ms" "$OUT/encode-ab3.log" ;;
+        encode-load-util)  # the table (towers and service), the GPU's utilisation sampled beside it
+            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 200 >"$OUT/gpu-util.log" 2>&1 &
+            smi=$!
+            step encode-load 240 python3 bench/encode_load.py
+            kill $smi
+            grep "mean ms\|busiest" "$OUT/encode-load.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
