@@ -90,6 +90,8 @@ def test_device_path_on_cpu_gives_the_cpu_paths_embeddings_exactly(checkpoint):
         assert x.valid_length == y.valid_length and torch.equal(x.embedding, y.embedding)
     # Which path made the features is part of the cache key.
     assert host.prepare(items[0], 0).cache_key != b[0].cache_key
+    given = dev.prepare(items[0], 0, dev.cache_key(items[0], 0))  # the service hands over the key it made
+    assert given.cache_key == b[0].cache_key and all(torch.equal(v, b[0].inputs[k]) for k, v in given.inputs.items())
 
 
 @pytest.mark.parametrize("rate, seconds, channels", [(SR, 47.3, 1), (44100, 31.7, 2), (44101, 2.1, 1)])

@@ -29,7 +29,7 @@ class DoublingModel(EncoderModel):
     def __init__(self):
         self.batches: list[int] = []
 
-    def prepare(self, item, index):
+    def prepare(self, item, index, key=None):
         if not item.HasField("pcm"):
             raise InvalidArgument(f"items[{index}]: expected pcm")
         x = from_proto(item.pcm, name=f"items[{index}].pcm").float()
@@ -54,9 +54,10 @@ class KeyedDoublingModel(DoublingModel):
     def cache_key(self, item, index):
         return hashlib.sha256(item.pcm.data).digest() if item.HasField("pcm") else None
 
-    def prepare(self, item, index):
+    def prepare(self, item, index, key=None):
         self.prepared += 1
-        return super().prepare(item, index)
+        self.keys_given = getattr(self, "keys_given", 0) + (key is not None)
+        return super().prepare(item, index, key)
 
 
 class ToyEncoderService(EncoderService):
@@ -248,6 +249,7 @@ def test_repeated_content_with_an_early_key_is_prepared_and_encoded_once(tmp_pat
                 stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
                 reply = await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0]), _item([5.0]), _item([1.0, 2.0])]))
             assert service.model.prepared == 2 and service.model.batches == [2]
+            assert service.model.keys_given == 2  # the keys already made are handed to prepare, not made again
             assert reply.embeddings[0].embedding.data == reply.embeddings[2].embedding.data
             assert from_proto(reply.embeddings[2].embedding).tolist() == [[2.0] * 3, [4.0] * 3]
         finally:

@@ -152,6 +152,9 @@ def test_cache_key_and_info_name_the_path(pairs):
     item = pb.EncodeItem(data=_png(photo(40, 40, 0)))
     assert exact.cache_key(item, 0) != ours.cache_key(item, 0)
     assert ours.prepare(item, 0).cache_key == ours.cache_key(item, 0)
+    given = ours.prepare(item, 0, ours.cache_key(item, 0))  # the service hands over the key it made
+    assert given.cache_key == ours.cache_key(item, 0) and all(
+        torch.equal(v, ours.prepare(item, 0).inputs[k]) for k, v in given.inputs.items())
     assert (exact.describe()["preprocess"], ours.describe()["preprocess"]) == ("cpu", "device")
 
 

@@ -173,7 +173,7 @@ class AudioEncoderModel(EncoderModel):
             return None  # prepare() says what is wrong with it
         return digest.digest()
 
-    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+    def prepare(self, item: pb.EncodeItem, index: int, key: bytes | None = None) -> PreparedItem:
         """Decode, downmix and check everything (limits, resampling cost, rows) on the CPU; then either
         resample + log-mel here (CPU path) or keep the mono wave at its own rate for `encode` (device path)."""
         what = f"items[{index}]"
@@ -206,7 +206,7 @@ class AudioEncoderModel(EncoderModel):
             S = self.dims.max_source_positions
             inputs["keep"] = torch.cat([w * S + torch.arange(n) for w, n in enumerate(rows.tolist())])
         cost = int(2 * positions.sum()) if self.packed else windows * self.dims.window_frames
-        return PreparedItem(inputs=inputs, cost=cost, cache_key=self.cache_key(item, index),
+        return PreparedItem(inputs=inputs, cost=cost, cache_key=key if key is not None else self.cache_key(item, index),
                             meta={"valid_length": int(frames.sum()), "windows": windows, "rate": rate,
                                   "width": width, "rows": int(rows.sum())})
 

@@ -45,8 +45,10 @@ class EncoderModel(ABC):
         return None
 
     @abstractmethod
-    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
-        """CPU preprocessing; bad input raises InvalidArgument("items[index]: ..."). Thread-safe."""
+    def prepare(self, item: pb.EncodeItem, index: int, key: bytes | None = None) -> PreparedItem:
+        """CPU preprocessing; bad input raises InvalidArgument("items[index]: ..."). Thread-safe.
+        `key`: cache_key(item, index) when the caller has it already (hashing the content twice cost a
+        seventh of a preparing thread's time)."""
 
     @abstractmethod
     def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:

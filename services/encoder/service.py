@@ -191,7 +191,7 @@ class EncoderService(Service):
             out[i] = self.cache.get(key)  # a hit skips decoding and preprocessing
         todo = [i for i in range(n) if out[i] is None and i not in repeats]
         prepared = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, self.model.prepare, request.items[i], i) for i in todo)
+            *(loop.run_in_executor(self._pool, self.model.prepare, request.items[i], i, keys[i]) for i in todo)
         )
         misses: dict[bytes, list[int]] = {}
         by_key: dict[bytes, PreparedItem] = {}

@@ -150,9 +150,9 @@ class VisionEncoderModel(EncoderModel):
             params = f"{lo}:{hi}".encode()
         return hashlib.sha256(self._key_base + params + pp.content_digest(item)).digest()
 
-    def prepare(self, item: pb.EncodeItem, index: int) -> PreparedItem:
+    def prepare(self, item: pb.EncodeItem, index: int, key: bytes | None = None) -> PreparedItem:
         where = f"items[{index}]"
-        key = self.cache_key(item, index)
+        key = key if key is not None else self.cache_key(item, index)
         if self.native:
             lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
         max_pixels = int(self.options["max_image_pixels"])

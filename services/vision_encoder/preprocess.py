@@ -237,7 +237,8 @@ def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple
                 width, height = image.size
                 image.draft(image.mode, (-(-width // reduce), -(-height // reduce)))
             image.load()
-            return ImageOps.exif_transpose(image)
+            ImageOps.exif_transpose(image, in_place=True)  # a copy of every image otherwise, turned or not
+            return image
     except InvalidArgument:
         raise
     except Image.DecompressionBombError as e:
