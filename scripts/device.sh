@@ -181,9 +181,9 @@ for name in "$@"; do
             grep "mean ms\|busiest" "$OUT/encode-load.log" ;;
         encode-prev-ab)  # the same SigLIP and Whisper load on this tree and on the commit before it (.prev, carried)
             cp bench/encode_load.py .prev/bench/
-            step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 1024
+            step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 640
             step encode-prev 110 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py \
-                --only siglip,whisper --no-tower --requests 1024'
+                --only siglip,whisper --no-tower --requests 640'
             grep -h "mean ms" "$OUT/encode-now.log" "$OUT/encode-prev.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
