@@ -25,7 +25,7 @@ class EncoderServiceConfig:
     batch_window_s: float = 0.002  # how long a batch waits for concurrent requests to join
     batches_in_flight: int = 2  # queued on the device at once: one running, the next one ready behind it
     switch_interval_s: float | None = None  # the GIL's switch interval; None: Python's
-    torch_threads: int | None = None  # torch's intra-op CPU threads; None: 1 on CUDA, torch's own on the CPU
+    torch_threads: int | None = None  # torch's intra-op CPU threads; None: torch's own
     max_queue: int = 1024  # queued items beyond this: RESOURCE_EXHAUSTED
     max_items_per_request: int = 64
     cache_bytes: int = 256 * MiB  # embedding cache; 0 disables it

@@ -21,8 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batches queued on the device at once (1: the next batch is formed only once the "
                              "last has run)")
     parser.add_argument("--torch-threads", type=int, default=None,
-                        help="torch's CPU threads per parallel op in this process (default: 1 when the model runs "
-                             "on CUDA, torch's own on the CPU)")
+                        help="torch's CPU threads per parallel op in this process (default: torch's own)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="Python's GIL switch interval for this process (default: Python's, 5 ms)")
     parser.add_argument("--max-queue", type=int, default=1024, help="queued items beyond this: RESOURCE_EXHAUSTED")

@@ -61,9 +61,8 @@ class EncoderService(Service):
         self.config = config = EncoderServiceConfig.from_args(args, self.model_options(args))
         if config.switch_interval_s is not None:
             sys.setswitchinterval(config.switch_interval_s)
-        threads = config.torch_threads or (1 if torch.device(self.device).type == "cuda" else None)
-        if threads:
-            torch.set_num_threads(threads)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
         self.model: EncoderModel | None = None
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
