@@ -340,3 +340,20 @@ def test_each_encode_call_reports_its_time_per_stage(tmp_path):
 
     assert {stage: count(stage) for stage in ("prepare", "batch", "device", "respond")} == {
         "prepare": 2, "batch": 1, "device": 1, "respond": 2}
+
+
+def test_the_pipelining_and_thread_knobs_flow_into_the_config_and_bad_values_are_refused(tmp_path):
+    from modalmesh.errors import ConfigError
+    from services.encoder.config import EncoderServiceConfig
+
+    parser = build_parser("audio_encoder", "")
+    ToyEncoderService.add_arguments(parser)
+    base = ["--model", str(tmp_path), "--device", "cpu"]
+    config = EncoderServiceConfig.from_args(parser.parse_args(
+        [*base, "--batches-in-flight", "3", "--torch-threads", "2", "--switch-interval-ms", "0.5"]))
+    assert (config.batches_in_flight, config.torch_threads, config.switch_interval_s) == (3, 2, 0.0005)
+    default = EncoderServiceConfig.from_args(parser.parse_args(base))
+    assert (default.batches_in_flight, default.torch_threads, default.switch_interval_s) == (2, None, None)
+    for flag, value in (("--batches-in-flight", "0"), ("--torch-threads", "-1"), ("--switch-interval-ms", "0")):
+        with pytest.raises(ConfigError, match=f"{flag} must be positive"):
+            EncoderServiceConfig.from_args(parser.parse_args([*base, flag, value]))
