@@ -315,3 +315,55 @@ def test_a_failed_cuda_ipc_answer_is_asked_again_by_shared_memory(tmp_path, erro
     labels = {"service": "llm", "direction": "received"}
     assert get("modalmesh_transfer_bytes_total", {**labels, "path": "shared_memory"}) == x.numel() * 4
     assert get("modalmesh_transfer_bytes_total", {**labels, "path": "cuda_ipc"}) is None
+
+
+def test_both_ends_of_a_cuda_ipc_handoff_run_on_the_transfer_stream(tmp_path, monkeypatch):
+    """torch records the reader's IPC event on the exporter's current stream, and makes the reader's current
+    stream wait for it when the handle opens. Shared from the compute stream, the event was reached only
+    after the batches queued since; opened on the caller's stream, the LLM engine's stream waited for them.
+    Both now run inside the transfer stream's context (faked here: where CUDA is absent)."""
+    import contextlib
+
+    from modalmesh.rpc import cuda_ipc
+
+    current = ["compute"]
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    seen = {}
+
+    def share(tensor):
+        seen["share"] = current[0]
+        return pb.CudaIpcRef(nbytes=8)
+
+    def new_shared_cuda(*args):
+        seen["open"] = current[0]
+        raise RuntimeError("no CUDA here: the stream it opened on is all this test asks")
+
+    monkeypatch.setattr(cuda_ipc, "transfer_stream", lambda device: "transfer")
+    monkeypatch.setattr(cuda_ipc, "share", share)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(cuda_ipc.torch.UntypedStorage, "_new_shared_cuda", new_shared_cuda, raising=False)
+
+    class DeviceTensor:  # what export asks of a CUDA tensor
+        device = torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    exporter = ShmExporter(directory=tmp_path)
+    try:
+        ref = cuda_ipc.CudaIpcExporter(exporter).export(pb.Tensor(dtype=pb.FLOAT32, shape=[2]), DeviceTensor())
+        assert ref is not None and ref.HasField("cuda_ipc")
+        with pytest.raises(RuntimeError, match="no CUDA here"):
+            cuda_ipc.copy_shared(pb.CudaIpcRef(nbytes=8), torch.device("cuda", 0))
+    finally:
+        exporter.close()
+    assert seen == {"share": "transfer", "open": "transfer"} and current == ["compute"]
