@@ -218,6 +218,8 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
         await pool.close()
         if probe is not None:
             probe.close()
+    if not latencies:
+        raise SystemExit(f"--requests {len(work)}: nothing left to time after the {warm} warm-up calls")
     return dict(items_s=len(latencies) / wall, mean_ms=statistics.mean(latencies) * 1e3,
                 p50_ms=percentile(latencies, 50) * 1e3,
                 p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall, busiest_threads=busiest,
@@ -285,8 +287,8 @@ def mean_between(before: dict, after: dict, histogram: str, stage: str = "") -> 
 
 
 def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """One row per variant: the same inputs through the service started with each variant's flags (a
-    variant with the same service flags as the one before it uses the same service process)."""
+    """One row per variant: the same inputs through a service started afresh with each variant's flags (a
+    service kept from the variant before would answer some of them from its embedding cache)."""
     ckpt = checkpoint(case, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")), args.quick)
     tower = float("nan") if args.no_tower else tower_only(case, ckpt, device, dtype, args.iters, args.quick)
     if device.type == "cuda":
@@ -296,7 +298,7 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
     work = items(case, n, args.quick)
     make_inputs_s = time.perf_counter() - t0
     modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
-    rows, proc, running = [], None, None
+    rows, proc = [], None
     try:
         for name, extra in args.variants:
             row = {"case": case.name, "variant": name, "unit": case.unit, "target": case.target,
@@ -309,12 +311,11 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
             flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
                      "--dummy-weights", *args.service_flag, *extra]  # the service's own defaults: what a user gets
             flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
-            if flags != running:
-                if proc is not None:
-                    proc.terminate(timeout=60)
-                proc, running = ServiceProcess(case.service, flags).start(), flags
-                proc.wait_listening(600)
-                proc.wait_serving(timeout=900)
+            if proc is not None:
+                proc.terminate(timeout=60)
+            proc = ServiceProcess(case.service, flags).start()
+            proc.wait_listening(600)
+            proc.wait_serving(timeout=900)
             print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
             row.update(asyncio.run(drive(proc.target, modality, work, args.clients, receive,
                                          threads_of=proc.proc.pid, readings=lambda: service_sums(proc), **client)))
@@ -333,7 +334,8 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
 
 def variant(text: str) -> tuple[str, list[str]]:
     """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8". Flags starting with @ are the
-    load's own: @connections=N, @distinct=K (cache hits), @cpu=1 (embeddings to the CPU)."""
+    load's own: @connections=N, @distinct=K (cache hits), @cpu=1 (embeddings to the CPU). Each variant
+    starts its own service."""
     name, sep, flags = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS")

@@ -354,6 +354,7 @@ def test_the_pipelining_and_thread_knobs_flow_into_the_config_and_bad_values_are
     assert (config.batches_in_flight, config.torch_threads, config.switch_interval_s) == (3, 2, 0.0005)
     default = EncoderServiceConfig.from_args(parser.parse_args(base))
     assert (default.batches_in_flight, default.torch_threads, default.switch_interval_s) == (2, None, None)
-    for flag, value in (("--batches-in-flight", "0"), ("--torch-threads", "-1"), ("--switch-interval-ms", "0")):
+    for flag, value in (("--batches-in-flight", "0"), ("--torch-threads", "-1"), ("--switch-interval-ms", "0"),
+                        ("--switch-interval-ms", "nan"), ("--switch-interval-ms", "inf")):
         with pytest.raises(ConfigError, match=f"{flag} must be positive"):
             EncoderServiceConfig.from_args(parser.parse_args([*base, flag, value]))

@@ -102,21 +102,19 @@ def test_answers_of_a_running_batch_wait_in_one_thread_not_on_the_loop_nor_a_thr
     async def body(sender):
         calls = [asyncio.create_task(sender.respond(pb.EncodeResponse(model_id="m"), [_answer(x, batch)], None))
                  for x in xs]
-        ticks = 0
-        for _ in range(20):  # the loop keeps running while the batch does
+        for _ in range(20):  # the loop keeps running (the sleeps end) while the batch does
             await asyncio.sleep(0.005)
-            ticks += 1
         assert not any(c.done() for c in calls)
         batch.finish()
-        return ticks, await asyncio.gather(*calls)
+        return await asyncio.gather(*calls)
 
     with Recording(1) as pool:
         sender = EmbeddingSender(shm=None, executor=pool)
         try:
-            ticks, replies = asyncio.run(asyncio.wait_for(body(sender), 30))
+            replies = asyncio.run(asyncio.wait_for(body(sender), 30))
         finally:
             sender.close()
-    assert ticks == 20 and Recording.used == 0 and batch.synchronized == 1
+    assert Recording.used == 0 and batch.synchronized == 1
     for x, reply in zip(xs, replies):
         rest, payloads = wire.strip(reply, wire.ENCODE_RESPONSE_BYTES)
         assert torch.equal(from_payload(pb.EncodeResponse.FromString(rest).embeddings[0].embedding, payloads[0]), x)
@@ -174,7 +172,7 @@ def test_device_answers_go_by_bytes_and_by_shared_memory_equal_to_the_cpu_path(t
             device = host.cuda()
             ready = torch.cuda.Event()
             ready.record()
-            for _ in range(2):  # the second time through a reused pinned buffer and a registered slab
+            for _ in range(2):  # the second time through a reused pinned buffer and a reused slab
                 reply, payloads = _respond(sender, [_answer(device, ready)], None)
                 assert torch.equal(from_payload(reply.embeddings[0].embedding, payloads[0]), host)
                 reply, _ = _respond(sender, [_answer(device, ready)], probe.options())
@@ -367,3 +365,27 @@ def test_both_ends_of_a_cuda_ipc_handoff_run_on_the_transfer_stream(tmp_path, mo
     finally:
         exporter.close()
     assert seen == {"share": "transfer", "open": "transfer"} and current == ["compute"]
+
+
+def test_awaiters_of_one_event_on_two_loops_each_get_their_own_wake_up():
+    """Futures belong to a loop: an event still waited for from one loop (its awaiter gone, its loop closed)
+    must not hand another loop that loop's future ("attached to a different loop")."""
+    from modalmesh.cuda_events import EventWaiter
+
+    waiter, event = EventWaiter(), _RunningBatch()
+
+    async def abandoned():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(waiter.wait(event), 0.01)
+
+    async def second():
+        task = asyncio.ensure_future(waiter.wait(event))
+        await asyncio.sleep(0.05)  # it is waiting before the event completes
+        event.finish()
+        return await asyncio.wait_for(task, 30)
+
+    try:
+        asyncio.run(abandoned())  # its loop closes with the event still pending
+        assert asyncio.run(second()) is None
+    finally:
+        waiter.close()

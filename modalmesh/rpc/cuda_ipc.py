@@ -123,20 +123,19 @@ def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> torch.Tensor:
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda._lazy_init()
     stream = transfer_stream(device)
-    storage = None
-    try:
-        with torch.cuda.stream(stream):
-            # Opened on the transfer stream: torch makes the current stream wait for the producer's event,
-            # and that must be the copy's stream, not the caller's (the LLM engine's).
-            storage = torch.UntypedStorage._new_shared_cuda(
-                index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
-                ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+    # Opened, copied from and closed on the transfer stream: torch makes the current stream wait for the
+    # producer's event when the handle opens, and synchronizes the current stream when the mapping is freed;
+    # on the caller's stream (the LLM engine's) both would wait for its queued steps.
+    with torch.cuda.stream(stream):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
+            ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
+        try:
             src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
             out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
             out.copy_(src)
-        stream.synchronize()
-        out.record_stream(torch.cuda.current_stream(device))
-        del src
-    finally:
-        del storage  # closes the mapping (torch's IPC counter tells the producer)
+            stream.synchronize()
+        finally:
+            src = storage = None  # closes the mapping here (torch's IPC counter tells the producer)
+    out.record_stream(torch.cuda.current_stream(device))
     return out

@@ -10,6 +10,7 @@ subclass collects for its model builder. Nothing below the service reads `args`.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,7 +45,7 @@ class EncoderServiceConfig:
                   ) -> EncoderServiceConfig:
         for flag, value in (("--batches-in-flight", args.batches_in_flight), ("--torch-threads", args.torch_threads),
                             ("--switch-interval-ms", args.switch_interval_ms)):
-            if value is not None and value <= 0:
+            if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{flag} must be positive, not {value}")
         return cls(
             max_batch_tokens=args.max_batch_tokens, max_batch_items=args.max_batch_items,

@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=2.0,
                         help="how long a batch waits for concurrent requests to join")
     parser.add_argument("--batches-in-flight", type=int, default=2,
-                        help="batches queued on the device at once (1: the next batch is formed only once the "
-                             "last has run)")
+                        help="batches queued on the device at once: after launching a batch, the worker waits "
+                             "until no more than this many are unfinished")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch's CPU threads per parallel op in this process (default: torch's own)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,

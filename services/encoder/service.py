@@ -113,7 +113,7 @@ class EncoderService(Service):
             await self.batcher.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._send_pool.shutdown(wait=False, cancel_futures=True)
-        self.sender.close()
+        await asyncio.to_thread(self.sender.close)  # waits for its waiter thread: not on the loop
         if self.shm is not None:
             self.shm.close()
 
@@ -219,9 +219,9 @@ class EncoderService(Service):
                                      modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        if misses:
+        if misses or any(getattr(a, "ready", None) is not None and not a.ready.query() for a in out):
             mark = time.perf_counter()
-            await self.sender.ready(out)
+            await self.sender.ready(out)  # a hit may be an answer of a batch still running, too
             stages["device"] = time.perf_counter() - mark
         mark = time.perf_counter()
         answer = await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)
