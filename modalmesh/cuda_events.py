@@ -37,10 +37,11 @@ class EventWaiter:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    async def wait(self, event) -> None:
-        """Return once `event` has completed; one synchronize per event, however many await it."""
+    async def wait(self, event) -> bool:
+        """Return once `event` has completed (True: it had not yet); one synchronize per event, however many
+        await it."""
         if event.query():
-            return
+            return False
         loop = asyncio.get_running_loop()
         key = (id(loop), id(event))
         with self._lock:
@@ -52,6 +53,7 @@ class EventWaiter:
                     self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                     self._thread.start()
         await asyncio.shield(future)  # an awaiter that goes away leaves the others theirs
+        return True
 
     def _run(self) -> None:
         while True:

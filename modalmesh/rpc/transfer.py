@@ -20,6 +20,7 @@ failed shared-memory one as bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -46,6 +47,14 @@ INLINE_BYTES = 4 << 20
 # Smaller answers go by shared memory (or bytes) instead: opening a handle and its lease round trip
 # cost more than copying a small answer through the host, and small answers must not be slower.
 CUDA_IPC_MIN_BYTES = 1 << 20
+
+
+async def _copying(nbytes: int, copy, *args, executor: Executor | None = None, **kwargs):
+    """`copy(*args, **kwargs)`, which copies `nbytes`: on the event loop up to INLINE_BYTES (a thread hop
+    would cost more than the copy), in `executor` (None: asyncio's default) beyond."""
+    if nbytes <= INLINE_BYTES:
+        return copy(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(copy, *args, **kwargs))
 
 
 def path_of(message: pb.Tensor) -> str:
@@ -93,19 +102,19 @@ class EmbeddingSender:
         shared = self.shares_memory(options)
         ipc = shared and self.ipc is not None and options.cuda_ipc
         await self.ready(answers)
-        if sum(nbytes(a.tensor) for a in answers) <= INLINE_BYTES:
-            return self._respond(response, answers, shared, ipc)  # a thread hop would cost more than the copies
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor, self._respond, response, answers, shared, ipc)
+        return await _copying(sum(nbytes(a.tensor) for a in answers), self._respond, response, answers, shared, ipc,
+                              executor=self.executor)
 
-    async def ready(self, answers: Sequence) -> None:
-        """Return once every answer's batch has run on its device.
+    async def ready(self, answers: Sequence) -> bool:
+        """Return once every answer's batch has run on its device (True: one had not yet).
 
         Never waits for the GPU on the event loop (while it waits, no request is taken in and batches
         shrink: measured 3.7 items a batch with 64 clients), nor in a thread per answer (the threads
         then capped the calls a second): one waiter thread wakes every answer of a batch at once."""
+        waited = False
         for event in {id(a.ready): a.ready for a in answers if getattr(a, "ready", None) is not None}.values():
-            await self.waiter.wait(event)
+            waited = await self.waiter.wait(event) or waited
+        return waited
 
     def close(self) -> None:
         self.waiter.close()
@@ -213,9 +222,7 @@ class EmbeddingReceiver:
 
             self._ipc_reader = CudaIpcReader(self.reader)
         try:
-            if message.cuda_ipc.nbytes <= INLINE_BYTES:
-                return self._ipc_reader.read(message, name=name, device=self.device)
-            return await asyncio.to_thread(self._ipc_reader.read, message, name=name, device=self.device)
+            return await _copying(message.cuda_ipc.nbytes, self._ipc_reader.read, message, name=name, device=self.device)
         except (InvalidArgument, SharedMemoryGone) as exc:
             raise AskAgain(CUDA_IPC, f"{exc}; asking again without CUDA IPC") from None
         except (OSError, RuntimeError) as exc:
@@ -224,9 +231,7 @@ class EmbeddingReceiver:
 
     async def _read_shared_memory(self, message: pb.Tensor, name: str) -> torch.Tensor:
         try:
-            if message.shared_memory.nbytes <= INLINE_BYTES:
-                return self.reader.read(message, name=name, device=self.device)
-            return await asyncio.to_thread(self.reader.read, message, name=name, device=self.device)
+            return await _copying(message.shared_memory.nbytes, self.reader.read, message, name=name, device=self.device)
         except (InvalidArgument, SharedMemoryGone) as exc:
             # A late read (the slab was retired) or a malformed ref: this item again, without it.
             raise AskAgain(SHARED_MEMORY, f"{exc}; asking again for bytes") from None

@@ -219,9 +219,8 @@ class EncoderService(Service):
                                      modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
-        if misses or any(getattr(a, "ready", None) is not None and not a.ready.query() for a in out):
-            mark = time.perf_counter()
-            await self.sender.ready(out)  # a hit may be an answer of a batch still running, too
+        mark = time.perf_counter()
+        if await self.sender.ready(out) or misses:  # a hit may be an answer of a batch still running, too
             stages["device"] = time.perf_counter() - mark
         mark = time.perf_counter()
         answer = await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)
