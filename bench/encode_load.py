@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench import percentile  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 
@@ -65,23 +66,15 @@ CASES = {
 # ---- checkpoints (configs only: the services load random weights with --dummy-weights) ---------------
 
 
-def checkpoint(case: Case, root: Path, quick: bool) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
+def checkpoint(case: Case, quick: bool) -> Path:
     if case.name == "whisper":
-        from transformers import WhisperConfig, WhisperFeatureExtractor
+        from bench.audio import LARGE_V3, QUICK, make_checkpoint
 
-        from bench.audio import LARGE_V3, QUICK
-
-        shape = QUICK if quick else LARGE_V3
-        WhisperConfig(**shape, architectures=["WhisperForConditionalGeneration"]).save_pretrained(root)
-        WhisperFeatureExtractor(feature_size=shape["num_mel_bins"]).save_pretrained(root)
-        return root
-    from bench.vision import hf_config
+        return make_checkpoint(QUICK if quick else LARGE_V3)
+    from bench.vision import hf_config, write_checkpoint
 
     cfg, proc = hf_config("siglip" if case.name == "siglip" else "qwen2_vl", quick)
-    cfg.save_pretrained(root)
-    (root / "preprocessor_config.json").write_text(json.dumps(proc))
-    return root
+    return write_checkpoint(cfg, proc, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")))
 
 
 # ---- inputs: different content per request ---------------------------------------------------------
@@ -123,7 +116,8 @@ def items(case: Case, n: int, quick: bool) -> list[pb.EncodeItem]:
 # ---- the tower alone -------------------------------------------------------------------------------
 
 
-def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype, iters: int, quick: bool) -> float:
+def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype, iters: int,
+               work: list[pb.EncodeItem]) -> float:
     """Items/s of the tower forward on device-resident inputs (what `encode` hands the tower)."""
     if case.service == "audio_encoder":
         from services.audio_encoder.model import build_encoder_model
@@ -138,7 +132,7 @@ def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype,
         caught["args"], caught["kwargs"] = args, kwargs
 
     handle = tower.register_forward_pre_hook(catch, with_kwargs=True)
-    batch = [model.prepare(item, i) for i, item in enumerate(items(case, case.tower_batch, quick))]
+    batch = [model.prepare(item, i) for i, item in enumerate(work[:case.tower_batch])]
     model.encode(batch)
     handle.remove()
 
@@ -146,45 +140,25 @@ def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype,
         with torch.inference_mode():
             tower(*caught["args"], **caught["kwargs"])
 
-    for _ in range(3):
-        forward()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            forward()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            forward()
-            times.append(time.perf_counter() - t0)
-    return case.tower_batch / statistics.median(times)  # the model goes with this frame
+    from bench.vision import timed
+
+    return case.tower_batch / timed(forward, iters, device) * 1e3  # the model goes with this frame
 
 
 # ---- the service under load ------------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
-
-
 async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device, *,
-                connections: int = 1, distinct: int = 0, threads_of: int | None = None,
-                readings=None) -> dict:
+                service_pid: int, readings, distinct: int = 0) -> dict:
     """`distinct` > 0: only the first `distinct` items, over and over (after the warm-up round, every call
-    is an encoder cache hit: the RPC and transfer path without the model). `threads_of`: a pid whose
-    threads' CPU use is sampled over the load (beside this process's). `readings`: called with no
-    argument just before and just after the timed load (the service's metrics then)."""
+    is an encoder cache hit: the RPC and transfer path without the model). The service's threads' CPU use
+    is sampled over the load beside this process's; `readings` is called with no argument just before
+    and just after the timed load (the service's metrics then)."""
     from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
     from services.llm.encoders import EncoderPool
 
     probe = ShmProbe() if shm_available() else None
-    more = {"connections": connections} if connections != 1 else {}  # (the code before issue 18 has no such option)
-    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device, **more)
+    pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device)
     latencies: list[float] = []
     warm = min(clients, 4)
     next_item = iter(range(warm))  # the clients share one iterator: each takes the next item
@@ -205,14 +179,14 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
             await asyncio.gather(*(client() for _ in range(warm)))  # into the encoder's cache
         latencies.clear()
         next_item = iter(range(warm, len(work)))
-        before = readings() if readings else None
-        sampler = ThreadCpu([os.getpid()] + ([threads_of] if threads_of else []))
+        before = readings()
+        sampler = ThreadCpu([os.getpid(), service_pid])
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - start
         busiest = sampler.busiest()
-        after = readings() if readings else None
-        if device is not None and device.type == "cuda":
+        after = readings()
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
         await pool.close()
@@ -289,14 +263,15 @@ def mean_between(before: dict, after: dict, histogram: str, stage: str = "") -> 
 def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per variant: the same inputs through a service started afresh with each variant's flags (a
     service kept from the variant before would answer some of them from its embedding cache)."""
-    ckpt = checkpoint(case, Path(tempfile.mkdtemp(prefix=f"bench-encode-{case.name}-")), args.quick)
-    tower = float("nan") if args.no_tower else tower_only(case, ckpt, device, dtype, args.iters, args.quick)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the service below gets the GPU's memory back
+    ckpt = checkpoint(case, args.quick)
     n = args.requests or (48 if args.quick else case.requests)
     t0 = time.perf_counter()
-    work = items(case, n, args.quick)
+    work = items(case, max(n, case.tower_batch), args.quick)
     make_inputs_s = time.perf_counter() - t0
+    tower = float("nan") if args.no_tower else tower_only(case, ckpt, device, dtype, args.iters, work)
+    work = work[:n]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the service below gets the GPU's memory back
     modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
     rows, proc = [], None
     try:
@@ -305,11 +280,9 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
                    "tower_items_s": tower, "make_inputs_s": make_inputs_s}
             client = {k.removeprefix("@"): int(v) for k, _, v in (f.partition("=") for f in extra if f.startswith("@"))}
             extra = [f for f in extra if not f.startswith("@")]
-            client.setdefault("connections", args.connections)
-            client.setdefault("distinct", args.distinct)
             receive = torch.device("cpu") if client.pop("cpu", 0) else device
             flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
-                     "--dummy-weights", *args.service_flag, *extra]  # the service's own defaults: what a user gets
+                     "--dummy-weights", *extra]  # the service's own defaults: what a user gets
             flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
             if proc is not None:
                 proc.terminate(timeout=60)
@@ -318,7 +291,7 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
             proc.wait_serving(timeout=900)
             print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
             row.update(asyncio.run(drive(proc.target, modality, work, args.clients, receive,
-                                         threads_of=proc.proc.pid, readings=lambda: service_sums(proc), **client)))
+                                         service_pid=proc.proc.pid, readings=lambda: service_sums(proc), **client)))
             before, after = row.pop("readings")
             row["mean_batch"] = mean_between(before, after, "modalmesh_batch_size")
             row["server_ms"] = mean_between(before, after, "modalmesh_request_duration_seconds") * 1e3
@@ -334,7 +307,7 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
 
 def variant(text: str) -> tuple[str, list[str]]:
     """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8". Flags starting with @ are the
-    load's own: @connections=N, @distinct=K (cache hits), @cpu=1 (embeddings to the CPU). Each variant
+    load's own: @distinct=K (cache hits), @cpu=1 (embeddings to the CPU). Each variant
     starts its own service."""
     name, sep, flags = text.partition("=")
     if not sep or not name:
@@ -349,15 +322,10 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=0, help="per case (0: the case's default)")
     parser.add_argument("--iters", type=int, default=10, help="tower-only timing iterations")
-    parser.add_argument("--service-flag", action="append", default=[],
-                        help="an extra flag for the encoder service (repeat it), e.g. --service-flag=--preprocess-device=cpu")
     parser.add_argument("--variant", dest="variants", action="append", type=variant, default=[],
                         help="NAME=FLAGS: also run the service with these extra flags on the same inputs (repeat "
                              "it; A/B in one run). Without it: one run with the service's defaults")
     parser.add_argument("--no-tower", action="store_true", help="skip timing the tower alone")
-    parser.add_argument("--connections", type=int, default=1, help="the client pool's connections to the service")
-    parser.add_argument("--distinct", type=int, default=0,
-                        help="send only this many distinct items, over and over (cache hits: no model work)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

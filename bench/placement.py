@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench import percentile  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
@@ -77,11 +78,6 @@ def png(side: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
 
 
 async def load(target: str, images: list[bytes], concurrency: int, output_len: int) -> dict:

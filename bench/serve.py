@@ -25,15 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from bench import percentile  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
 async def one(stub, prompt: list[int], output_len: int, results: list) -> None:

@@ -113,6 +113,13 @@ def hf_model(family: str, cfg, device, dtype, attn: str):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def write_checkpoint(cfg, proc: dict, root: Path) -> Path:
+    """A config-only checkpoint (`hf_config`'s pair) in `root`: models load it with dummy weights."""
+    cfg.save_pretrained(root)
+    (root / "preprocessor_config.json").write_text(json.dumps(proc))
+    return root
+
+
 def timed(fn, iters: int, device: torch.device) -> float:
     """Median milliseconds per call (CUDA events on GPUs, perf_counter on CPU), after warm-up."""
     for _ in range(3):
@@ -172,8 +179,7 @@ def run_case(case: Case, args, device, dtype) -> dict:
     items = [pb.EncodeItem(pixels=to_proto(torch.from_numpy(rng.integers(0, 256, (side, side, 3), np.uint8))))
              for _ in range(case.batch)]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.save_pretrained(tmp)
-        (Path(tmp) / "preprocessor_config.json").write_text(json.dumps(proc))
+        write_checkpoint(cfg, proc, Path(tmp))
         ours = build_encoder_model(tmp, device=device, dtype=dtype, dummy=True,
                                    options={"siglip_output": "both", "preprocess_device": "cpu"})  # HF: both
         rates = preprocess_rates(tmp, ours, case, args, device, dtype, side)

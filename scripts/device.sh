@@ -8,11 +8,8 @@
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
 #   bash scripts/device.sh llm-tp2 serve-tp1 serve-tp2 placement                     # issue 17, call 2 of 2
 #   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
-#   bash scripts/device.sh encoder-tests graph-tests ipc-test profile-graphed encode-ab ipc-probe transfer
-#                                                                       # issue 18, diagnosis (kind nvidia-h200)
-#   bash scripts/device.sh ipc-bisect encode-diag                      # issue 18, diagnosis 2
-#   bash scripts/device.sh encoder-tests encode-load encode-load-before vision-bench audio-bench transfer \
-#       profile-encode                                                  # issue 18, one H200 (kind nvidia-h200)
+#   bash scripts/device.sh encoder-tests encode-load transfer encode-load-before   # issue 18's table (nvidia-h200)
+#   bash scripts/device.sh encode-diag profile-graphed encode-graphs-ab ipc-probe  # issue 18, where the time goes
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -38,6 +35,19 @@ step() {  # step NAME TIMEOUT COMMAND...
     local rc=$?
     echo "== $name: rc=$rc in $((SECONDS - start)) s"
     grep -E "^(RESULT|TP=|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -20
+}
+
+gpu_util_start() {  # nvidia-smi's utilisation every 200 ms into $OUT/gpu-util.log, until gpu_util_stop
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 200 >"$OUT/gpu-util.log" 2>&1 &
+    SMI=$!
+}
+gpu_util_stop() { kill "$SMI"; }
+
+old_tree() {  # old_tree DIR NAME [ARGS...]: this tree's encode_load on the code in DIR (its towers not timed)
+    local dir=$1 name=$2
+    shift 2
+    cp bench/__init__.py bench/encode_load.py bench/vision.py bench/audio.py "$dir/bench/"
+    step "$name" 180 bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py --no-tower "$@"' "$dir" "$@"
 }
 
 for name in "$@"; do
@@ -93,37 +103,34 @@ for name in "$@"; do
             wait ;;
         profile-tp2) step profile-tp2 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-tp2.txt" -- python3 bench/serve.py --start --tp 2 --requests 256 ;;
-        encoder-tests) step encoder-tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or CUDA or device" \
+        encoder-tests) step encoder-tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or device or graphs" \
                 tests/test_staging.py tests/test_codec.py tests/test_transfer.py tests/test_transfer_cuda.py \
                 tests/test_vision_device_preprocess.py tests/test_audio_device.py tests/test_audio_models.py \
-                tests/test_vision_models.py tests/test_encoder_layer.py ;;
-        encode-load) step encode-load 180 python3 bench/encode_load.py ;;
+                tests/test_vision_models.py tests/test_encoder_layer.py tests/test_batch_graphs.py ;;
+        encode-load)  # the issue's table (towers and service), the GPU's utilisation sampled beside it
+            gpu_util_start
+            step encode-load 240 python3 bench/encode_load.py
+            gpu_util_stop
+            grep "mean ms\|busiest" "$OUT/encode-load.log" ;;
         encode-load-before)  # the same load on the code before issue 18 (.before: `git archive 8dcd57d`, carried)
-            cp bench/encode_load.py .before/bench/
-            step encode-load-before 180 bash -c 'cd .before && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py' ;;
+            old_tree .before encode-load-before ;;
+        encode-prev-ab)  # SigLIP and Whisper on this tree and on the commit before it (.prev: `git archive HEAD~1`)
+            step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 640
+            old_tree .prev encode-prev --only siglip,whisper --requests 640
+            grep -h "mean ms" "$OUT/encode-now.log" "$OUT/encode-prev.log" ;;
+        encode-graphs-ab)  # the towers replayed from CUDA graphs against --enforce-eager, the same inputs
+            step encode-graphs-ab 200 python3 bench/encode_load.py --only siglip,whisper --no-tower \
+                --variant graphs= --variant eager=--enforce-eager ;;
+        encode-diag)  # where the time goes: per stage; cache hits (no model); embeddings to the CPU
+            gpu_util_start
+            step encode-diag 300 python3 bench/encode_load.py --only siglip,whisper --no-tower --variant default= \
+                --variant "hits=@distinct=64" --variant "cpu=@cpu=1"
+            gpu_util_stop
+            grep "mean ms\|busiest" "$OUT/encode-diag.log" ;;
         vision-bench) step vision-bench 130 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448 --no-hf ;;
         audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
         transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;
         ipc-probe) step ipc-probe 60 python3 scripts/cuda_ipc_probe.py; cat "$OUT/ipc-probe.log" ;;
-        profile-encode) step profile-encode 150 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
-                -o "$OUT/profile-encode.txt" -- python3 bench/encode_load.py --only siglip,whisper ;;
-        profile-service)  # py-spy on the encoder service and on the load's client, by pid, mid-load (SigLIP)
-            python3 bench/encode_load.py --only siglip --requests 4096 >"$OUT/profile-service-load.log" 2>&1 &
-            load=$!
-            for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
-            sleep 20  # the service loads, warms up; the load starts
-            /tmp/site/bin/py-spy record --pid "$svc" --duration 8 --rate 100 --format raw --threads \
-                -o "$OUT/profile-service.txt" >"$OUT/profile-service.log" 2>&1 &
-            /tmp/site/bin/py-spy record --pid "$load" --duration 8 --rate 100 --format raw --threads \
-                -o "$OUT/profile-client.txt" >>"$OUT/profile-service.log" 2>&1
-            wait
-            echo "== profile-service"; tail -3 "$OUT/profile-service.log"; grep RESULT "$OUT/profile-service-load.log" ;;
-        graph-tests) step graph-tests 75 python3 -m pytest -q -p no:cacheprovider tests/test_batch_graphs.py \
-                tests/test_vision_device_preprocess.py tests/test_audio_device.py -k "cuda or graphs" ;;
-        encode-load-graphs) step encode-load-graphs 100 python3 bench/encode_load.py --only siglip,whisper ;;
-        encode-load-eager) step encode-load-eager 100 python3 bench/encode_load.py --only siglip,whisper \
-                --service-flag=--enforce-eager ;;
-        ipc-test) step ipc-test 90 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py ;;
         profile-graphed)  # the graphed SigLIP service under load: where each thread waits (--idle), who holds the GIL (--gil)
             P="$OUT/prof"; mkdir -p "$P"
             python3 bench/encode_load.py --only siglip --no-tower --requests 4096 >"$P/load.log" 2>&1 &
@@ -138,53 +145,6 @@ for name in "$@"; do
             timeout 60 tail --pid "$load" -f /dev/null
             echo "== profile-graphed"; grep -c . "$P"/*.txt; grep "RESULT\|mean ms" "$P/load.log"
             tar czf "$OUT/profile-graphed.tgz" -C "$OUT" prof && rm -rf "$P" ;;
-        encode-ab)  # SigLIP through the service, the same inputs, one service start per variant
-            step encode-ab 240 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
-                --variant "switch0.5=--switch-interval-ms=0.5" --variant "inflight1=--batches-in-flight=1" \
-                --variant "prep8=--preprocess-threads=8" --variant "window10=--batch-window-ms=10" ;;
-        ipc-bisect)  # which earlier CUDA test in the same process makes the CUDA IPC test fail
-            step ipc-after-transfer 120 python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py \
-                tests/test_transfer_cuda.py -k "device_answers or cuda_ipc_equals" &
-            step ipc-after-staging-codec 120 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py \
-                tests/test_codec.py tests/test_transfer_cuda.py -k "cuda" &
-            wait ;;
-        encode-diag)  # where the time goes: cache hits (no model), more connections, embeddings to the CPU
-            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 250 >"$OUT/gpu-util.log" 2>&1 &
-            smi=$!
-            step encode-diag 300 python3 bench/encode_load.py --only siglip,whisper --no-tower --variant default= \
-                --variant "hits=@distinct=64" --variant "conn4=@connections=4" --variant "cpu=@cpu=1"
-            kill $smi
-            grep "busiest" "$OUT/encode-diag.log"
-            sort -n "$OUT/gpu-util.log" | uniq -c | sort -k2 -n | tail -15 ;;
-        host-register-probe) step host-register-probe 60 python3 scripts/host_register_probe.py
-            cat "$OUT/host-register-probe.log" ;;
-        encode-threads)  # torch's intra-op threads in the encoder service: 1 (the default on CUDA) against 16
-            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 250 >"$OUT/gpu-util.log" 2>&1 &
-            smi=$!
-            step encode-threads 420 python3 bench/encode_load.py --no-tower --variant threads1= \
-                --variant "threads16=--torch-threads=16"
-            kill $smi
-            grep "busiest" "$OUT/encode-threads.log" ;;
-        encode-stages)  # where an Encode call's time goes, per stage, under load; cache hits beside
-            step encode-stages 300 python3 bench/encode_load.py --no-tower --variant default= \
-                --variant "hits=@distinct=64"
-            grep "mean ms\|busiest" "$OUT/encode-stages.log" ;;
-        encode-ab3)  # SigLIP: a third batch in flight; a longer batch window
-            step encode-ab3 200 python3 bench/encode_load.py --only siglip --no-tower --variant default= \
-                --variant "inflight3=--batches-in-flight=3" --variant "window6=--batch-window-ms=6"
-            grep "mean ms" "$OUT/encode-ab3.log" ;;
-        encode-load-util)  # the issue's table (towers and service), the GPU's utilisation sampled beside it
-            nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader -lms 200 >"$OUT/gpu-util.log" 2>&1 &
-            smi=$!
-            step encode-load 240 python3 bench/encode_load.py
-            kill $smi
-            grep "mean ms\|busiest" "$OUT/encode-load.log" ;;
-        encode-prev-ab)  # the same SigLIP and Whisper load on this tree and on the commit before it (.prev, carried)
-            cp bench/encode_load.py .prev/bench/
-            step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 640
-            step encode-prev 110 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py \
-                --only siglip,whisper --no-tower --requests 640'
-            grep -h "mean ms" "$OUT/encode-now.log" "$OUT/encode-prev.log" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

@@ -43,6 +43,11 @@ def test_a_batch_replays_the_smallest_bucket_that_fits_and_owns_its_rows():
         out9 = graphs(x9)  # larger than every bucket: eager
         assert graphs.replays == 2
         torch.testing.assert_close(out9, tower(x9))
+        x6 = torch.randn(6, 4)
+        out6 = graphs(x6)  # x5's bucket again: its buffer is rewritten, the rows handed out for x5 are not
+        assert graphs.graphs[6].count == 2
+        torch.testing.assert_close(out5, tower(x5))
+        torch.testing.assert_close(out6, tower(x6))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -151,7 +151,7 @@ def test_a_device_answer_put_into_shared_memory_leaves_no_cuda_error_behind(tmp_
     """The exporter page-locked each slab with cudaHostRegister and let a refusal pass as "not page-locked";
     but the refusal stayed behind as the thread's CUDA error, and the next kernel there raised it ("CUDA
     error: invalid argument" on the H200 host, where the driver refuses /dev/shm mappings): a CUDA IPC
-    read or an unrelated request failed later (scripts/host_register_probe.py)."""
+    read or an unrelated request failed later."""
     exporter = ShmExporter(directory=tmp_path)
     try:
         x = torch.randn(256, 3584, device="cuda").to(torch.bfloat16)
@@ -260,6 +260,25 @@ def test_the_sender_uses_cuda_ipc_only_when_offered_and_for_device_answers(tmp_p
             assert reply.embeddings[0].embedding.HasField("shared_memory") and sender.ipc.calls == 0
             reply, _ = _respond(sender, [_answer(torch.randn(4096, 64))], probe.options())
             assert reply.embeddings[0].embedding.HasField("shared_memory")
+
+            class DeviceTensor:  # what the sender asks of an answer on a GPU (none here): 2 MiB of bf16
+                device = torch.device("cuda", 0)
+
+                def numel(self):
+                    return 1 << 20
+
+                def element_size(self):
+                    return 2
+
+            on_gpu = Answer(pb.Embedding(embedding=pb.Tensor(dtype=pb.BFLOAT16, shape=[1024, 1024])), DeviceTensor())
+            reply, _ = _respond(sender, [on_gpu], options)  # offered, and on a GPU: the handle
+            assert reply.embeddings[0].embedding.HasField("cuda_ipc") and sender.ipc.calls == 1
+            shared = []
+            sender.shm.export = lambda meta, tensor, ready=None: shared.append(tensor) or pb.Tensor(
+                dtype=meta.dtype, shape=meta.shape, shared_memory=pb.SharedMemoryRef(name="x", nbytes=1))
+            reply, _ = _respond(sender, [on_gpu], probe.options())  # not offered: shared memory, no handle
+            assert reply.embeddings[0].embedding.HasField("shared_memory") and sender.ipc.calls == 1
+            assert shared == [on_gpu.tensor]
     finally:
         probe.close()
         exporter.close()

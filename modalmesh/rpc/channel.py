@@ -71,13 +71,9 @@ def channel_options(max_message_bytes: int, retry_methods=IDEMPOTENT_METHODS) ->
 
 
 def aio_channel(target: str, *, max_message_bytes: int = 256 * MiB, retry_methods=IDEMPOTENT_METHODS,
-                security=None, own_connections: bool = False) -> grpc.aio.Channel:
-    """`security` (modalmesh.rpc.security.Security): TLS when it has a CA, its token sent on every call.
-    `own_connections`: connections of this channel's own, never shared with another channel to the same
-    target (gRPC shares them process-wide by default)."""
+                security=None) -> grpc.aio.Channel:
+    """`security` (modalmesh.rpc.security.Security): TLS when it has a CA, its token sent on every call."""
     options = channel_options(max_message_bytes, retry_methods)
-    if own_connections:
-        options.append(("grpc.use_local_subchannel_pool", 1))
     credentials = security.channel_credentials() if security is not None else None
     interceptors = (security.client_interceptors() if security is not None else []) or None
     if credentials is not None:

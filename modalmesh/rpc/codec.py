@@ -48,7 +48,7 @@ def dtype_name(wire_dtype: int) -> str:
 def payload_nbytes(message: pb.Tensor) -> int:
     """The element bytes `message` describes (shape x itemsize), without touching `data` (reading it copies)."""
     dtype = TORCH_DTYPES.get(message.dtype)
-    return 0 if dtype is None else math.prod(message.shape) * torch.empty((), dtype=dtype).element_size()
+    return 0 if dtype is None else math.prod(message.shape) * dtype.itemsize
 
 
 def describe(tensor: torch.Tensor) -> pb.Tensor:

@@ -78,14 +78,12 @@ class EmbeddingSender:
     shared memory, the message for gRPC (from a device through a reused pinned buffer).
     """
 
-    def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None, cuda_ipc: bool = False,
-                 waiter: EventWaiter | None = None):
+    def __init__(self, *, shm: ShmExporter | None, executor: Executor, metrics=None, cuda_ipc: bool = False):
         self.shm = shm
         # For copies too large for the event loop (not the preprocessing pool, whose threads must keep preparing).
         self.executor = executor
-        self.waiter = waiter if waiter is not None else EventWaiter("answers-ready")
+        self.waiter = EventWaiter("answers-ready")
         self.metrics = metrics
-        self.pinned = PINNED  # the process's one pool of pinned buffers
         self.ipc = None
         if cuda_ipc and shm is not None:
             from modalmesh.rpc.cuda_ipc import CudaIpcExporter
@@ -151,7 +149,7 @@ class EmbeddingSender:
             return wire.inject(response.SerializeToString(), wire.ENCODE_RESPONSE_BYTES, payloads)
         finally:
             for buffer in lent:
-                self.pinned.give_back(buffer)
+                PINNED.give_back(buffer)
 
     def _host_bytes(self, answer, lent: list) -> memoryview:
         """The answer's bytes on the host: the tensor's own memory there, else a pinned buffer's."""
@@ -159,7 +157,7 @@ class EmbeddingSender:
         if tensor.device.type != "cuda":
             return host_bytes_view(tensor)
         size = nbytes(tensor)
-        buffer = self.pinned.take(size)
+        buffer = PINNED.take(size)
         lent.append(buffer)
         copy_to_host(tensor, buffer[:size], answer.ready)
         return memoryview(buffer[:size].numpy())
@@ -208,7 +206,7 @@ class EmbeddingReceiver:
             view = from_payload(message, payload if payload is not None else message.data, name=name)
             # Out of the received message (read-only, any alignment, kept alive whole by a view),
             # onto the device in the same copy.
-            tensor = copy_out(view, self.device)
+            tensor = await _copying(payload_nbytes(message), copy_out, view, self.device)
         elif path == SHARED_MEMORY:
             tensor = await self._read_shared_memory(message, name)
         else:

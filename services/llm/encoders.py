@@ -66,20 +66,16 @@ class EncoderPool:
 
     def __init__(self, modality: int, target: str, *, max_message_bytes: int = 256 * MiB,
                  probe: ShmProbe | None = None, reader: ShmReader | None = None,
-                 device: torch.device | None = None, security: Security | None = None, metrics: Metrics | None = None,
-                 connections: int = 1):
+                 device: torch.device | None = None, security: Security | None = None, metrics: Metrics | None = None):
         self.modality = modality
         self.device = device  # where embeddings go (the LLM's device); None: the CPU
         self.target = target
-        # Calls take the channels in turn; more than one: each with connections of its own.
-        self.channels = [aio_channel(target, max_message_bytes=max_message_bytes, security=security,
-                                     own_connections=connections > 1) for _ in range(max(1, connections))]
+        self.channel = aio_channel(target, max_message_bytes=max_message_bytes, security=security)
         # Encode's answer is parsed without its embeddings' bytes, which stay views into the
         # received buffer (modalmesh.rpc.wire): protobuf would copy them twice.
-        self._encodes = [channel.unary_unary(
+        self._encode = self.channel.unary_unary(
             f"/{pb.ENCODER_SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString,
-            response_deserializer=_parse_encode_response) for channel in self.channels]
-        self._calls = 0
+            response_deserializer=_parse_encode_response)
         self.receiver = EmbeddingReceiver(probe=probe, reader=reader, device=device, metrics=metrics)
 
     @property
@@ -104,9 +100,7 @@ class EncoderPool:
             try:
                 # Not wait_for_ready: with every replica down (the channel in TRANSIENT_FAILURE) the call fails
                 # at once instead of holding the request to its deadline; while connecting it still waits.
-                self._calls += 1
-                encode = self._encodes[self._calls % len(self._encodes)]
-                parsed = await encode(request, timeout=remaining, wait_for_ready=False)
+                parsed = await self._encode(request, timeout=remaining, wait_for_ready=False)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:
@@ -145,8 +139,7 @@ class EncoderPool:
         raise DeadlineExceeded(f"items[{index}]: no encoder replica answered before the deadline")
 
     async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
+        await self.channel.close()
         self.receiver.close()
 
 
