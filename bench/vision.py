@@ -19,9 +19,11 @@ the rows stay on the device) and CPU preprocessing (`prepare`, one thread) are p
 Preprocessing, CPU path against device path (`--preprocess-device`), on JPEGs of the case's
 side (448² for Qwen2-VL, 384² for SigLIP), images/s:
   cpu prep      the exact PIL path's `prepare` on one thread (decode, resize, rescale, normalise, patchify)
-  dev decode    the device path's `prepare` on one thread (decode and RGB only)
-  dev xform     the device path's batched upload + resize + normalise + patchify (`_pixels`), device time
+  dev decode    the device path's `prepare` on one thread, PIL decoding (decode and RGB only)
+  dev xform     the device path's batched upload + resize + normalise + patchify (`_device_pixels`)
   dev e2e       the device path's `encode` (upload, transforms, forward)
+  nvjpeg prep / xform / e2e   the same with the JPEGs decoded on the device (`--image-decode nvimgcodec`:
+                `prepare` reads the header and hashes; xform includes the batch's decode); n/a without it
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from modalmesh import attention, pb  # noqa: E402
+from modalmesh.errors import ConfigError  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
 from PIL import Image  # noqa: E402
 from modalmesh.weights import load_weights  # noqa: E402
@@ -157,18 +160,27 @@ def preprocess_rates(model_dir, exact, case: Case, args, device, dtype, side: in
     and its device transforms."""
     items = jpeg_items(case.batch, side)
     on_device = build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
-                                    options={"preprocess_device": "device"})
-    return {**_path_rates(exact, "cpu", items, args, device), **_path_rates(on_device, "device", items, args, device)}
+                                    options={"preprocess_device": "device", "image_decode": "pil"})
+    rates = {**_path_rates(exact, "cpu", items, args, device), **_path_rates(on_device, "dev", items, args, device)}
+    try:
+        nvjpeg = build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
+                                     options={"preprocess_device": "device", "image_decode": "nvimgcodec"})
+    except ConfigError as e:  # no CUDA, or nvImageCodec not installed
+        print(f"# nvjpeg columns: n/a ({e})", file=sys.stderr)
+        return {**rates, "nvjpeg_prep": "n/a", "nvjpeg_xform": "n/a", "nvjpeg_e2e": "n/a"}
+    return {**rates, **_path_rates(nvjpeg, "nvjpeg", items, args, device)}
 
 
 def _path_rates(model, path: str, items, args, device) -> dict:
     t0 = time.perf_counter()
     prepared = [model.prepare(item, i) for i, item in enumerate(items)]
     rates = {f"{path}_prep": len(items) / (time.perf_counter() - t0)}
-    if path == "device":
+    if path != "cpu":
         with torch.inference_mode():
-            rates["dev_xform"] = len(items) / timed(lambda: model._pixels(prepared), args.iters, device) * 1e3
-            rates["dev_e2e"] = len(items) / timed(lambda: model.encode(prepared), max(3, args.iters // 2), device) * 1e3
+            rates[f"{path}_xform"] = len(items) / timed(lambda: model._device_pixels(prepared), args.iters,
+                                                        device) * 1e3
+            rates[f"{path}_e2e"] = len(items) / timed(lambda: model.encode(prepared), max(3, args.iters // 2),
+                                                      device) * 1e3
     return rates
 
 
@@ -256,11 +268,13 @@ def main(argv=None) -> int:
     header = (f"{'case':<16}{'batch':>6}{'tokens':>8}  {'backend':<14}{'ours img/s':>11}{'e2e img/s':>11}"
               + "".join(f"{'HF ' + a + ' img/s':>26}" for a in ([] if args.no_hf else args.hf_attn))
               + f"{'x HF':>7}{'rel err':>10}{'prep img/s':>12}{'baseline':>10}"
-              + f"{'cpu prep':>10}{'dev decode':>12}{'dev xform':>11}{'dev e2e':>9}")
+              + f"{'cpu prep':>10}{'dev decode':>12}{'dev xform':>11}{'dev e2e':>9}"
+              + f"{'nvjpeg prep':>13}{'nvjpeg xform':>14}{'nvjpeg e2e':>12}")
     print(header)
     for case in cases:
         row = run_case(case, args, device, dtype)
         ips = lambda ms: f"{row['batch'] / ms * 1e3:.1f}" if isinstance(ms, float) else ms  # noqa: E731
+        rate = lambda r: f"{r:.1f}" if isinstance(r, float) else r  # noqa: E731
         hf = [row.get(f"hf_{a}_ms") for a in ([] if args.no_hf else args.hf_attn)]
         first = hf[0] if hf and isinstance(hf[0], float) else None
         speedup = f"{first / row['ours_ms']:.2f}" if first else "-"
@@ -268,7 +282,9 @@ def main(argv=None) -> int:
               f"{ips(row['e2e_ms']):>11}" + "".join(f"{ips(h):>26}" for h in hf)
               + f"{speedup:>7}{row.get('rel_err', float('nan')):>10.2e}{row['prep_img_s']:>12.1f}"
               + f"{BASELINES.get(case.name, '-')!s:>10}"
-              + f"{row['cpu_prep']:>10.1f}{row['device_prep']:>12.1f}{row['dev_xform']:>11.1f}{row['dev_e2e']:>9.1f}",
+              + f"{row['cpu_prep']:>10.1f}{row['dev_prep']:>12.1f}{row['dev_xform']:>11.1f}{row['dev_e2e']:>9.1f}"
+              + "".join(f"{rate(row[k]):>{w}}" for k, w in (("nvjpeg_prep", 13), ("nvjpeg_xform", 14),
+                                                             ("nvjpeg_e2e", 12))),
               flush=True)
     for choice in attention.attention_choices(selector):
         print(f"# attention {choice.component}: {choice.backend} ({choice.reason})")

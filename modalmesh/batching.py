@@ -12,8 +12,9 @@ Callers queue items; one asyncio worker wakes, lets a batch fill for up to `wind
 (unless `_batch_full()` already says it is full), takes a batch with the subclass's
 `_take()` and calls ``run(items, abandoned)`` in a thread so the event loop keeps
 serving. `abandoned()` turns true once every caller of the batch has gone (its RPC was
-cancelled): long work may check it and stop. Results go back to each caller; an
-exception goes to every caller of the batch and the worker carries on. A caller that
+cancelled): long work may check it and stop. Results go back to each caller; a result
+that is an exception goes to that item's caller alone, and an exception `run` raises
+goes to every caller of the batch; the worker carries on. A caller that
 goes away cancels its items: the worker drops them before running them. More than
 `max_queue` items waiting is RESOURCE_EXHAUSTED.
 
@@ -180,7 +181,11 @@ class BatchQueue(Generic[Item, Result]):
                 continue
             self.batches_run += 1
             for w, result in zip(batch, results):
-                if not w.future.done():
+                if w.future.done():
+                    continue
+                if isinstance(result, Exception):  # that item alone failed: its caller gets the error
+                    w.future.set_exception(result)
+                else:
                     w.future.set_result(result)
 
     def _publish_depth(self) -> None:

@@ -10,6 +10,7 @@
 #   bash scripts/device.sh fused-ab llm-tp2 serve-pair-tp1 serve-tp2 placement       # issue 17, the final table
 #   bash scripts/device.sh encoder-tests encode-load transfer encode-load-before   # issue 18's table (nvidia-h200)
 #   bash scripts/device.sh encode-diag profile-graphed encode-graphs-ab ipc-probe  # issue 18, where the time goes
+#   bash scripts/device.sh encoder-tests vision-bench encode-decode-ab   # issue 18, JPEGs decoded on the GPU
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -103,10 +104,18 @@ for name in "$@"; do
             wait ;;
         profile-tp2) step profile-tp2 300 /tmp/site/bin/py-spy record --subprocesses --rate 50 --format raw \
                 -o "$OUT/profile-tp2.txt" -- python3 bench/serve.py --start --tp 2 --requests 256 ;;
-        encoder-tests) step encoder-tests 200 python3 -m pytest -q -s -p no:cacheprovider -k "cuda or device or graphs" \
-                tests/test_staging.py tests/test_codec.py tests/test_transfer.py tests/test_transfer_cuda.py \
-                tests/test_vision_device_preprocess.py tests/test_audio_device.py tests/test_audio_models.py \
-                tests/test_vision_models.py tests/test_encoder_layer.py tests/test_batch_graphs.py ;;
+        encoder-tests) step encoder-tests 240 env MODALMESH_REQUIRE_NVIMGCODEC=1 python3 -m pytest -q -s -p no:cacheprovider \
+                -k "cuda or device or graphs" tests/test_staging.py tests/test_codec.py tests/test_transfer.py \
+                tests/test_transfer_cuda.py tests/test_vision_device_preprocess.py tests/test_device_decode.py \
+                tests/test_device_decode_cuda.py tests/test_audio_device.py tests/test_audio_models.py \
+                tests/test_vision_models.py tests/test_encoder_layer.py tests/test_batch_graphs.py
+            grep -A12 "nvJPEG vs PIL\|nvJPEG + device" "$OUT/encoder-tests.log" | grep -v "^\.\|^$" | head -30 ;;
+        encode-decode-ab)  # JPEGs decoded on the GPU (nvImageCodec) against PIL in the CPU threads, the same inputs
+            gpu_util_start
+            step encode-decode-ab 300 python3 bench/encode_load.py --only siglip,qwen2vl --no-tower \
+                --variant nvjpeg= --variant "pil=--image-decode pil"
+            gpu_util_stop
+            grep "RESULT\|mean ms\|busiest" "$OUT/encode-decode-ab.log" ;;
         encode-load)  # the issue's table (towers and service), the GPU's utilisation sampled beside it
             gpu_util_start
             step encode-load 240 python3 bench/encode_load.py

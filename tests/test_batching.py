@@ -77,6 +77,20 @@ def test_status_errors_reach_every_caller_of_the_batch():
     _run(body)
 
 
+def test_a_result_that_is_an_exception_fails_that_items_caller_alone():
+    async def body():
+        q = Fifo(lambda items, abandoned: [InvalidArgument(f"items[0]: bad {i}") if i == 2 else i for i in items],
+                 name="test", max_queue=8, window_s=0.05)
+        q.start()
+        results = await asyncio.gather(q.wait_for([1]), q.wait_for([2]), q.wait_for([3]), return_exceptions=True)
+        assert results[0] == [1] and results[2] == [3]
+        assert isinstance(results[1], InvalidArgument) and str(results[1]) == "items[0]: bad 2"
+        assert q.batches_run == 1  # all three shared one batch
+        await q.stop()
+
+    _run(body)
+
+
 def test_abandoned_turns_true_once_every_caller_of_the_batch_is_gone():
     async def body():
         started, saw = threading.Event(), []

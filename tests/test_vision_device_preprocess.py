@@ -79,7 +79,10 @@ MODES = ["RGB", "RGBA", "L"]
 
 
 def _device_pixels(model, prepared):
-    return model._pixels(prepared).float().cpu()
+    images, errors = model._device_pixels(prepared)
+    assert not errors
+    pre = model.device_preprocessor
+    return (pre.rows(images) if model.native else torch.stack(images)).float().cpu()
 
 
 def _levels(model) -> float:

@@ -28,9 +28,14 @@ class PreparedItem:
 
 @dataclass
 class EncodedItem:
-    embedding: torch.Tensor  # (rows, output_hidden_size); rows == placeholder tokens the LLM reserves
+    embedding: torch.Tensor | None  # (rows, output_hidden_size); rows == placeholder tokens the LLM reserves
     grid_thw: tuple[int, ...] = ()
     valid_length: int = 0
+    error: Exception | None = None  # this item alone failed in encode (e.g. its image did not decode there)
+
+    @classmethod
+    def failed(cls, error: Exception) -> EncodedItem:
+        return cls(embedding=None, error=error)
 
 
 class EncoderModel(ABC):
@@ -52,4 +57,5 @@ class EncoderModel(ABC):
 
     @abstractmethod
     def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
-        """One forward over the batch (packed, no per-item loops over layers); results in input order."""
+        """One forward over the batch (packed, no per-item loops over layers); results in input order. An
+        item found bad only here gets `EncodedItem.failed(error)`: its caller alone sees the error."""

@@ -128,14 +128,17 @@ class EncoderService(Service):
         return info
 
     # -- Encode -----------------------------------------------------------------------------
-    def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer]:
+    def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer | Exception]:
         """Worker thread: one model call, then the answers, left where the model made them (on its device):
         the transport copies each one once, by the path its caller takes (modalmesh.rpc.transfer).
         One forward has no point to stop at: `abandoned` is not consulted."""
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
-            answers = []
+            answers: list[Answer | Exception] = []
             for r in results:
+                if r.error is not None:  # that item's caller alone gets it (BatchQueue)
+                    answers.append(r.error)
+                    continue
                 tensor = r.embedding.detach()
                 if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != nbytes(tensor):
                     # A view into the batch's output: its own copy (on the device), so the cache holds and
@@ -144,12 +147,12 @@ class EncoderService(Service):
                 meta = pb.Embedding(embedding=describe(tensor), grid_thw=list(r.grid_thw),
                                     num_placeholder_tokens=int(tensor.shape[0]), valid_length=int(r.valid_length))
                 answers.append(Answer(meta, tensor))
-            devices = {a.tensor.device for a in answers if a.tensor.device.type == "cuda"}
+            devices = {a.tensor.device for a in answers if isinstance(a, Answer) and a.tensor.device.type == "cuda"}
             if devices:
                 ready = torch.cuda.Event()
                 # On the stream the batch ran on, after it: transfer copies wait for this alone.
                 ready.record(torch.cuda.current_stream(next(iter(devices))))
-                answers = [dataclasses.replace(a, ready=ready) for a in answers]
+                answers = [dataclasses.replace(a, ready=ready) if isinstance(a, Answer) else a for a in answers]
                 self._bound_inflight(ready)
         return answers
 

@@ -132,8 +132,12 @@ class DevicePreprocessor:
 
     def pixels(self, images: list[torch.Tensor], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Each image resized to its size, rescaled and normalised: (3, h, w) float32 on the device, in order.
-        All images go up in one copy; images of one shape and target size are resized together."""
-        uploaded = self.staging.upload(images)
+        The images on the host go up in one copy (those decoded on the device are there already); images of
+        one shape and target size are resized together."""
+        uploaded = list(images)
+        host = [i for i, image in enumerate(images) if image.device.type == "cpu"]
+        for i, image in zip(host, self.staging.upload([images[i] for i in host])):
+            uploaded[i] = image
         groups: dict[tuple, list[int]] = {}
         for i, (image, size) in enumerate(zip(uploaded, sizes)):
             groups.setdefault((tuple(image.shape), tuple(size)), []).append(i)
@@ -153,9 +157,12 @@ class DevicePreprocessor:
 
     def qwen2_vl_rows(self, images: list[torch.Tensor], sizes: list[tuple[int, int]]) -> torch.Tensor:
         """The batch's pixel_values rows, concatenated in order (as preprocess.qwen2_vl_pixels makes each)."""
+        return self.rows(self.pixels(images, sizes))
+
+    def rows(self, pixels: list[torch.Tensor]) -> torch.Tensor:
+        """`pixels`' (3, h, w) images patchified and concatenated in order: Qwen2-VL's pixel_values rows."""
         cfg = self.cfg
-        return torch.cat([patchify_rows(p, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
-                          for p in self.pixels(images, sizes)])
+        return torch.cat([patchify_rows(p, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size) for p in pixels])
 
     def fixed_pixels(self, images: list[torch.Tensor]) -> torch.Tensor:
         """(N, 3, height, width), as preprocess.fixed_pixels makes each."""

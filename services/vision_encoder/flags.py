@@ -16,6 +16,7 @@ DESCRIPTION = "modalmesh vision encoder: EncoderService over a vision tower."
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192  # decoded size limit (before resizing); PIL warns at 89 M
 SIGLIP_OUTPUTS = ("patch", "pooled", "both")  # SigLIP's rows: patch embeddings, the pooled one, or both
 PREPROCESS_DEVICES = ("auto", "cpu", "device")
+IMAGE_DECODERS = ("auto", "pil", "nvimgcodec")  # device_decode.CHOICES (kept here: no torch for --help)
 # Room for SigLIP-so400m's best batch on an H200 (32 images of 729 patches, bench/vision.py) and for
 # 32 Qwen2-VL images of 448² (1024 patches each); the shared default (16384) stopped SigLIP at 22.
 MAX_BATCH_TOKENS = 32768  # where resize / normalise / patchify run (device_preprocess.py)
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where images are resized, normalised and patchified: cpu (exactly as HF's PIL "
                              "processors), device (uint8 uploaded, torch on the encoder's device; within a "
                              "stated tolerance of cpu), auto (device when the encoder runs on CUDA)")
+    parser.add_argument("--image-decode", default="auto", choices=IMAGE_DECODERS,
+                        help="who decodes JPEGs on the device preprocessing path: nvimgcodec (nvJPEG on the "
+                             "encoder's GPU, the optional extra modalmesh[nvimgcodec]; within a stated tolerance "
+                             "of PIL), pil (the CPU threads), auto (nvimgcodec when it loads); other formats are "
+                             "always decoded by PIL")
 
 
 def parser() -> argparse.ArgumentParser:

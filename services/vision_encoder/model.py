@@ -9,7 +9,9 @@
 image processor (preprocess.py); on the device path ("device", the default on CUDA) it
 keeps the decoded uint8 pixels and the target size, and `encode` resizes, normalises
 and patchifies them on the device (device_preprocess.py: close to, not equal to, the
-PIL path; the cache key says which path made the pixels). `encode` uploads the batch
+PIL path; the cache key says which path made the pixels). On that path a plain JPEG is
+not decoded in `prepare` at all when nvImageCodec is there (``image_decode``): `encode`
+decodes the batch's JPEGs on the device (device_decode.py). `encode` uploads the batch
 in one copy through reused pinned buffers, runs one forward over it - Qwen2-VL rows
 concatenated (never stacked, resolutions mix freely), SigLIP images stacked (fixed
 resolution) - and returns one `EncodedItem` per input whose rows stay on the model's
@@ -33,11 +35,12 @@ from PIL import Image
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError
+from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.models import build_and_load, pick
 from modalmesh.batch_graphs import BatchGraphs
 from modalmesh.staging import HostStaging
 from services.encoder import flags as encoder_flags
+from services.vision_encoder import device_decode as dd
 from services.vision_encoder import device_preprocess as dp
 from services.vision_encoder import flags as vision_flags
 from services.vision_encoder import preprocess as pp
@@ -60,6 +63,7 @@ DEFAULT_OPTIONS = {
     "max_request_pixels": 0,  # per-item max_pixels may not exceed this (0: the checkpoint's max_pixels)
     "siglip_output": "patch",  # "patch" | "pooled" | "both"
     "preprocess_device": "auto",  # "auto" (device on CUDA) | "cpu" (exact PIL path) | "device"
+    "image_decode": "auto",  # "auto" (nvImageCodec when it loads, on the device path) | "pil" | "nvimgcodec"
     "cuda_graphs": True,  # SigLIP on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
     # The batcher's limits: graphs are captured for the batch sizes it can form, no larger.
     "max_batch_items": encoder_flags.MAX_BATCH_ITEMS,
@@ -82,7 +86,7 @@ class VisionEncoderModel(EncoderModel):
     modality = pb.IMAGE
 
     def __init__(self, model_dir, *, device, dtype: torch.dtype, dummy: bool = False, options: dict | None = None,
-                 metrics=None):
+                 metrics=None, jpeg_decoder=None):
         unknown = set(options or {}) - set(DEFAULT_OPTIONS)
         if unknown:
             raise ConfigError(f"unknown vision encoder options {sorted(unknown)} (known: {sorted(DEFAULT_OPTIONS)})")
@@ -107,6 +111,12 @@ class VisionEncoderModel(EncoderModel):
         self.staging = HostStaging(self.device)  # encode's uploads (one worker thread)
         self.device_preprocessor = (dp.DevicePreprocessor(self.processor, self.device, self.staging)
                                     if self.preprocess == "device" else None)
+        # JPEGs decoded on the device (device_decode.py); `jpeg_decoder` stands in for nvImageCodec in tests.
+        self.jpeg_decoder = jpeg_decoder or dd.jpeg_decoder(str(self.options["image_decode"]), self.device,
+                                                            self.preprocess)
+        if self.jpeg_decoder is not None and self.device_preprocessor is None:
+            raise ConfigError("a device JPEG decoder needs the device preprocessing path (--preprocess-device)")
+        self.image_decode = self.jpeg_decoder.name if self.jpeg_decoder is not None else "pil"
         self.graphs = None  # SigLIP's images all have one shape: its tower replays a graph per batch bucket
         if self.device.type == "cuda" and not self.native and self.options["cuda_graphs"]:
             self.graphs = BatchGraphs.capture(self.tower, item_shape=(3, self.processor.height, self.processor.width),
@@ -116,6 +126,7 @@ class VisionEncoderModel(EncoderModel):
         self._key_base = hashlib.sha256(b"\0".join([
             self.architecture.encode(), self.processor.digest(), str(self.options["siglip_output"]).encode(),
             str(dtype).encode(), self.preprocess.encode(),  # the two paths' pixels differ slightly
+            self.image_decode.encode(),  # and so do the decoders'
         ])).digest()
 
     def _largest_batch(self) -> int:
@@ -158,6 +169,12 @@ class VisionEncoderModel(EncoderModel):
         max_pixels = int(self.options["max_image_pixels"])
         header = pp.image_header(item, index, max_image_pixels=max_pixels,
                                  max_decoded_bytes=int(self.options["max_image_decoded_bytes"]))
+        if self.jpeg_decoder is not None and dd.takes(header, item.data):
+            # The worker decodes it on the device (encode): nothing is decoded here.
+            width, height = dd.upright_size(header.width, header.height, header.orientation)
+            return self._device_item(height, width, key, where, *((lo, hi) if self.native else ()), inputs={},
+                                     jpeg=item.data, orientation=header.orientation, index=index,
+                                     decoded_bytes=header.width * header.height * 3)
         # Decoding and the conversion to RGB are where one small file becomes a lot of memory: each
         # takes its estimated peak from the budget shared by every preparing thread first.
         with self.decode_budget.hold(peak_bytes(*header.decoded_size, header.mode), where):
@@ -178,21 +195,41 @@ class VisionEncoderModel(EncoderModel):
     def _prepare_for_device(self, image: Image.Image, key: bytes, where: str, *budget: int) -> PreparedItem:
         """The device path's item: the RGB pixels as uint8 and the size `encode` resizes them to."""
         width, height = image.size
+        return self._device_item(height, width, key, where, *budget, inputs={"image": dp.rgb_tensor(image)})
+
+    def _device_item(self, height: int, width: int, key: bytes, where: str, *budget: int, inputs: dict,
+                     **meta) -> PreparedItem:
+        """A device-path item of an upright `height` x `width` image: its cost, grid and target size."""
         if self.native:
             size = dp.qwen2_vl_size(height, width, self.processor, *budget, where)
             grid = (1, size[0] // self.processor.patch_size, size[1] // self.processor.patch_size)
-            cost, meta = grid[0] * grid[1] * grid[2], {"grid_thw": grid}
+            cost, grid_meta = grid[0] * grid[1] * grid[2], {"grid_thw": grid}
         else:
             size = dp.fixed_size(height, width, self.processor, where)
-            cost, meta = self.tower.num_patches, {}
-        return PreparedItem(inputs={"image": dp.rgb_tensor(image)}, cost=cost, cache_key=key,
-                            meta={**meta, "size": size})
+            cost, grid_meta = self.tower.num_patches, {}
+        return PreparedItem(inputs=inputs, cost=cost, cache_key=key, meta={**meta, **grid_meta, "size": size,
+                                                                           "where": where})
 
     @torch.inference_mode()
     def encode(self, batch: list[PreparedItem]) -> list[EncodedItem]:
+        """One forward over the batch. An item whose JPEG neither the device nor PIL could decode gets its
+        error (EncodedItem.error) and stays out of the forward; the others are encoded."""
         if not batch:
             return []
-        pixels = self._pixels(batch)
+        if self.device_preprocessor is None:
+            uploaded = self.staging.upload([it.inputs["pixel_values"] for it in batch])
+            pixels = torch.cat(uploaded) if self.native else torch.stack(uploaded)
+            return self._forward(pixels.to(self.dtype), batch)
+        images, errors = self._device_pixels(batch)
+        ready = [it for i, it in enumerate(batch) if i not in errors]
+        if not ready:
+            return [EncodedItem.failed(errors[i]) for i in range(len(batch))]
+        pre = self.device_preprocessor
+        encoded = iter(self._forward((pre.rows(images) if self.native else torch.stack(images)).to(self.dtype),
+                                     ready))
+        return [EncodedItem.failed(errors[i]) if i in errors else next(encoded) for i in range(len(batch))]
+
+    def _forward(self, pixels: torch.Tensor, batch: list[PreparedItem]) -> list[EncodedItem]:
         if self.native:
             grids = [tuple(it.meta["grid_thw"]) for it in batch]
             rows = self.tower(pixels, grids).to(self.dtype)
@@ -201,17 +238,65 @@ class VisionEncoderModel(EncoderModel):
         rows = (self.graphs or self.tower)(pixels).to(self.dtype)
         return [EncodedItem(embedding=r) for r in rows.unbind(0)]
 
-    def _pixels(self, batch: list[PreparedItem]) -> torch.Tensor:
-        """The tower's input on the device, in the serving dtype; one host-to-device copy for the batch."""
+    def _device_pixels(self, batch: list[PreparedItem]) -> tuple[list[torch.Tensor], dict[int, Exception]]:
+        """The device path: each item's image resized, rescaled and normalised on the device ((3, h, w) float32,
+        in order, failed items left out), and the errors of the items that could not be decoded by index.
+        JPEGs are decoded here, a part of the batch at a time (`dd.CHUNK_BYTES` decoded), each part
+        preprocessed before the next is decoded; the images PIL decoded in `prepare` go up in one copy."""
         pre = self.device_preprocessor
-        if pre is not None:
-            images = [it.inputs["image"] for it in batch]
-            pixels = (pre.qwen2_vl_rows(images, [it.meta["size"] for it in batch]) if self.native
-                      else pre.fixed_pixels(images))
-        else:
-            uploaded = self.staging.upload([it.inputs["pixel_values"] for it in batch])
-            pixels = torch.cat(uploaded) if self.native else torch.stack(uploaded)
-        return pixels.to(self.dtype)
+        out: list[torch.Tensor] = []
+        errors: dict[int, Exception] = {}
+        for part in self._parts(batch):
+            images, sizes = [], []
+            for i, image in zip(part, self._decoded([batch[i] for i in part])):
+                if isinstance(image, Exception):
+                    errors[i] = image
+                else:
+                    images.append(image)
+                    sizes.append(batch[i].meta["size"])
+            out += pre.pixels(images, sizes) if images else []
+        return out, errors
+
+    @staticmethod
+    def _parts(batch: list[PreparedItem]) -> list[list[int]]:
+        """The batch's indices in order, cut where the JPEGs to decode would pass dd.CHUNK_BYTES."""
+        parts, held = [[]], 0
+        for i, item in enumerate(batch):
+            size = item.meta.get("decoded_bytes", 0)
+            if parts[-1] and held + size > dd.CHUNK_BYTES:
+                parts.append([])
+                held = 0
+            parts[-1].append(i)
+            held += size
+        return parts
+
+    def _decoded(self, items: list[PreparedItem]) -> list[torch.Tensor | Exception]:
+        """Each item's upright uint8 (H, W, 3) image: as PIL decoded it in `prepare` (on the host), or decoded
+        here from its JPEG on the device; where nvImageCodec fails, PIL decodes it here (an InvalidArgument
+        in its place if PIL cannot either)."""
+        images: list = [it.inputs.get("image") for it in items]
+        todo = [i for i, it in enumerate(items) if "jpeg" in it.meta]
+        if not todo:
+            return images
+        decoded = self.jpeg_decoder.decode([items[i].meta["jpeg"] for i in todo])
+        for i, image in zip(todo, decoded):
+            meta = items[i].meta
+            if image is None:
+                log.info("%s: the device could not decode this JPEG; decoding it with PIL", meta["where"])
+                images[i] = self._decode_with_pil(items[i])
+            else:
+                images[i] = dd.orient(image, meta["orientation"])
+        return images
+
+    def _decode_with_pil(self, item: PreparedItem) -> torch.Tensor | Exception:
+        meta = item.meta
+        try:
+            with self.decode_budget.hold(meta["decoded_bytes"] * 2, meta["where"]):
+                image = pp.to_rgb(pp.decode_image(pb.EncodeItem(data=meta["jpeg"]), meta["index"],
+                                                  max_image_pixels=int(self.options["max_image_pixels"])))
+                return dp.rgb_tensor(image)
+        except InvalidArgument as e:
+            return e
 
     # ---- service helpers ------------------------------------------------------------------
     def warmup(self) -> None:
@@ -229,7 +314,7 @@ class VisionEncoderModel(EncoderModel):
         """Service-specific facts for Info.extra."""
         p = self.processor
         facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"]),
-                 "preprocess": self.preprocess, "cuda_graphs": "on" if self.graphs is not None else "off"}
+                 "preprocess": self.preprocess, "image_decode": self.image_decode, "cuda_graphs": "on" if self.graphs is not None else "off"}
         if self.native:
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))

@@ -40,6 +40,7 @@ from modalmesh.rpc.codec import from_proto
 from services.vision_encoder.decode_memory import DEFAULT_MAX_DECODED_BYTES, MiB, decoded_bytes
 
 FORMATS = ("PNG", "JPEG", "WEBP")
+ORIENTATION_TAG = 0x0112  # EXIF's Orientation, which ImageOps.exif_transpose undoes
 from services.vision_encoder.flags import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402 - the flag's default
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -145,6 +146,9 @@ class ImageHeader(NamedTuple):
     height: int
     mode: str
     reduce: int = 1  # a JPEG over the decoded-bytes limit is decoded at 1/reduce scale (PIL's draft)
+    format: str = ""  # PIL's name for the encoded format ("JPEG", "PNG", ...); "" for raw pixels
+    orientation: int = 1  # the EXIF orientation tag (1: upright; 2-8: what exif_transpose undoes)
+    adobe: bool = False  # a JPEG with Adobe's APP14 marker (RGB or CMYK coding, not JFIF's YCbCr)
 
     @property
     def decoded_size(self) -> tuple[int, int]:
@@ -165,7 +169,7 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
         if len(shape) not in (2, 3) or (len(shape) == 3 and shape[2] != 3):
             raise InvalidArgument(f"{where}.pixels: shape {list(shape)} is not (H, W, 3) RGB or (H, W) greyscale")
         header = int(shape[1]), int(shape[0]), "RGB" if len(shape) == 3 else "L"
-        jpeg = False
+        facts = {}
     elif source == "data":
         if not item.data:
             raise InvalidArgument(f"{where}: empty image data")
@@ -174,7 +178,7 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 with Image.open(io.BytesIO(item.data), formats=list(formats)) as image:
                     header = *image.size, image.mode
-                    jpeg = image.format == "JPEG"
+                    facts = _jpeg_facts(image) if image.format == "JPEG" else {"format": image.format or ""}
         except Image.DecompressionBombError as e:
             raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
         except Image.UnidentifiedImageError:
@@ -187,14 +191,25 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
     _check_size(header[0], header[1], where, max_image_pixels)
     size = decoded_bytes(*header)
     if size <= max_decoded_bytes:
-        return ImageHeader(*header)
-    if jpeg:
+        return ImageHeader(*header, **facts)
+    if facts.get("format") == "JPEG":
         for reduce in (2, 4, 8):
-            smaller = ImageHeader(*header, reduce)
+            smaller = ImageHeader(*header, reduce, **facts)
             if decoded_bytes(*smaller.decoded_size, header[2]) <= max_decoded_bytes:
                 return smaller
     raise InvalidArgument(f"{where}: a {header[0]}x{header[1]} {header[2]} image decodes to {size / MiB:.0f} MiB; "
                           f"the server's limit is {max_decoded_bytes / MiB:.0f} MiB (--max-image-decoded-mb)")
+
+
+def _jpeg_facts(image: Image.Image) -> dict:
+    """What a JPEG decoder other than PIL's needs to know (device_decode.py). An EXIF block PIL cannot
+    read gives orientation 0, "unknown": such an image stays on PIL's path, which decides what it means."""
+    try:
+        value = image.getexif().get(ORIENTATION_TAG, 1)
+        orientation = int(value) if value in range(2, 9) else 1  # exif_transpose leaves other values alone
+    except Exception:  # noqa: BLE001 - any failure to read the EXIF block means "unknown"
+        orientation = 0
+    return {"format": "JPEG", "orientation": orientation, "adobe": "adobe" in image.info}
 
 
 def decode_image(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,

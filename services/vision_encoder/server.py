@@ -35,6 +35,7 @@ class VisionEncoderService(EncoderService):
                 "max_request_pixels": args.max_request_pixels,
                 "siglip_output": args.siglip_output,
                 "preprocess_device": args.preprocess_device,
+                "image_decode": args.image_decode,
                 "cuda_graphs": not args.enforce_eager,
                 "max_batch_items": args.max_batch_items, "max_batch_tokens": args.max_batch_tokens}
 
