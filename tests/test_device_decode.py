@@ -73,10 +73,11 @@ def jpeg(image: Image.Image, orientation: int = 1, **kw) -> bytes:
     return buf.getvalue()
 
 
-def _no_scan(data: bytes) -> bytes:
-    """A JPEG cut just before its scan, EOI appended: the header reads and it ends in EOI, but there is no
-    picture; PIL refuses it when decoding."""
-    return data[:data.index(b"\xff\xda")] + dd.EOI
+def _bogus_huffman(data: bytes) -> bytes:
+    """A JPEG whose first Huffman table claims 16 x 255 codes: the header reads (Pillow 12 and 13) and it ends
+    in EOI, but libjpeg refuses the table when decoding ("broken data stream")."""
+    table = data.index(b"\xff\xc4")
+    return data[:table + 5] + b"\xff" * 16 + data[table + 21:]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,7 @@ def test_what_the_device_decoder_takes(checkpoints, monkeypatch):
 
 def test_pil_takes_over_where_the_device_decoder_fails_and_a_bad_item_fails_alone(checkpoints):
     good = [jpeg(photo(60, 80, i)) for i in range(3)]
-    broken = _no_scan(good[0])
+    broken = _bogus_huffman(good[0])
     pil, ours = _models(checkpoints["siglip"], PilJpegDecoder(fail=(good[1],)))
     items = [pb.EncodeItem(data=d) for d in (good[0], good[1], broken, good[2])]
     got = ours.encode([ours.prepare(it, i) for i, it in enumerate(items)])
@@ -223,7 +224,7 @@ def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, mon
     naming its item, the other its rows (equal to the PIL path's)."""
     path = checkpoints["siglip"]
     good = jpeg(photo(60, 80, 0))
-    broken = _no_scan(good)
+    broken = _bogus_huffman(good)
     monkeypatch.setattr(dd, "jpeg_decoder", lambda choice, device, preprocess: PilJpegDecoder())
     other = jpeg(photo(60, 80, 1))
     pil, _ = _models(path)

@@ -20,7 +20,7 @@ from modalmesh import pb
 from modalmesh.testing import tiny
 from services.vision_encoder import device_decode as dd
 from services.vision_encoder.model import build_encoder_model
-from tests.test_device_decode import _no_scan, jpeg, photo
+from tests.test_device_decode import _bogus_huffman, jpeg, photo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -81,16 +81,20 @@ def test_nvjpeg_decodes_within_the_stated_tolerance_of_pil(nvimgcodec):
             continue
         got = decoder.decode(list(jpegs.values()))
         torch.cuda.synchronize()
-        rows = []
+        rows, refused = [], []
         for (label, data), image in zip(jpegs.items(), got):
-            assert image is not None, (backends, label)
+            if image is None:  # a backend alone may refuse some (the hardware decoder: progressive JPEGs)
+                assert backends != dd.BACKENDS, label
+                refused.append(label)
+                continue
             want = _pil(data)
             assert image.shape == want.shape and image.dtype == torch.uint8 and image.is_cuda, (backends, label)
             diff = (image.cpu().int() - want.int()).abs()
             rows.append((label, diff.max().item(), diff.float().mean().item()))
         worst[backends] = (max(r[1] for r in rows), max(r[2] for r in rows))
         print(f"  {'+'.join(backends)}: max |Δ| {worst[backends][0]}, worst mean |Δ| {worst[backends][1]:.3f}; "
-              + ", ".join(f"{label} {m}/{a:.2f}" for label, m, a in rows))
+              + ", ".join(f"{label} {m}/{a:.2f}" for label, m, a in rows)
+              + (f"; refused: {', '.join(refused)}" if refused else ""))
     assert dd.BACKENDS in worst
     assert worst[dd.BACKENDS][0] <= MAX_DECODE_LEVELS and worst[dd.BACKENDS][1] <= MAX_DECODE_MEAN
 
@@ -143,7 +147,7 @@ def test_buffers_are_reused_a_bad_jpeg_fails_alone_and_no_cuda_error_stays(nvimg
     garbled = bytearray(good[3])
     start = garbled.index(b"\xff\xda") + 40
     garbled[start:start + 200] = bytes(200)
-    items = [pb.EncodeItem(data=d) for d in (good[0], _no_scan(good[1]), bytes(garbled), good[2])]
+    items = [pb.EncodeItem(data=d) for d in (good[0], _bogus_huffman(good[1]), bytes(garbled), good[2])]
     out = model.encode([model.prepare(it, i) for i, it in enumerate(items)])
     assert out[1].error is not None and str(out[1].error).startswith("items[1]: corrupt or truncated")
     # A stream corrupt inside its scan: PIL decodes such streams with grey patches; nvJPEG may or may not.
