@@ -221,7 +221,7 @@ def test_the_flag_choices_and_their_errors(checkpoints, monkeypatch):
 
 def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, monkeypatch):
     """Two concurrent requests share a batch; the one whose JPEG no decoder can read gets INVALID_ARGUMENT
-    naming its item, the other its rows (equal to the PIL path's)."""
+    naming its item, the other its rows (the PIL path's)."""
     path = checkpoints["siglip"]
     good = jpeg(photo(60, 80, 0))
     broken = _bogus_huffman(good)
@@ -261,4 +261,5 @@ def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, mon
     assert sizes == [3]  # one batch: both requests' items
     assert isinstance(bad, grpc.aio.AioRpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad.details().startswith("items[1]: corrupt or truncated")
-    assert torch.equal(from_proto(ok.embeddings[0].embedding), want)
+    # Close, not equal: the service's batch and the reference's differ in size, and so may the CPU's kernels.
+    torch.testing.assert_close(from_proto(ok.embeddings[0].embedding), want, rtol=1e-5, atol=1e-5)
