@@ -113,7 +113,7 @@ for name in "$@"; do
         encode-decode-ab)  # JPEGs decoded on the GPU (nvImageCodec) against PIL in the CPU threads, the same inputs
             gpu_util_start
             step encode-decode-ab 300 python3 bench/encode_load.py --only siglip,qwen2vl --no-tower \
-                --variant nvjpeg= --variant "pil=--image-decode pil" --variant "nvjpeg-3=--batches-in-flight 3"
+                --variant nvjpeg= --variant "pil=--image-decode pil"
             gpu_util_stop
             grep "RESULT\|mean ms\|busiest" "$OUT/encode-decode-ab.log" ;;
         encode-load)  # the table (towers and service), the GPU's utilisation sampled beside it
