@@ -136,6 +136,13 @@ for name in "$@"; do
                 --variant "hits=@distinct=64" --variant "cpu=@cpu=1"
             gpu_util_stop
             grep "mean ms\|busiest" "$OUT/encode-diag.log" ;;
+        siglip-diag)  # SigLIP with nvJPEG: embeddings to the client's GPU or to its CPU; 64 clients or 128
+            gpu_util_start
+            step siglip-diag 200 python3 bench/encode_load.py --only siglip --no-tower --variant gpu= \
+                --variant "cpu=@cpu=1"
+            step siglip-128 100 python3 bench/encode_load.py --only siglip --no-tower --clients 128
+            gpu_util_stop
+            grep -h "mean ms\|busiest\|img/s" "$OUT/siglip-diag.log" "$OUT/siglip-128.log" ;;
         vision-bench) step vision-bench 130 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448 --no-hf ;;
         audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
         transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;

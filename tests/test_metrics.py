@@ -49,3 +49,21 @@ def test_service_only_metrics_start_at_zero():
     m = Metrics("vae", process_metrics=False)
     assert m.registry.get_sample_value("modalmesh_queue_depth", {"service": "vae"}) == 0
     assert m.registry.get_sample_value("modalmesh_generation_tokens_total", {"service": "vae"}) == 0
+
+
+def test_cached_label_children_survive_remove_and_clear():
+    # BoundMetric caches the child per label set; a removed or cleared label set set again must be exported,
+    # not written into an orphan child (the cache would hand back the one prometheus dropped).
+    m = Metrics("llm", process_metrics=False)
+    get = m.registry.get_sample_value
+    m.set_attention_backend("llm", "sdpa_math", "auto: cpu")
+    m.set_attention_backend("llm", "fa3", "override")
+    m.set_attention_backend("llm", "sdpa_math", "auto: cpu")  # back to the first: removed, then set again
+    assert get("modalmesh_attention_backend_info",
+               {"service": "llm", "component": "llm", "backend": "sdpa_math", "reason": "auto: cpu"}) == 1
+    for _ in range(2):  # cleared, then the same label set again
+        m.set_service_info(model_id="m", version="1", dtype="float32", device="cpu")
+    assert get("modalmesh_service_info", {"service": "llm", "model_id": "m", "version": "1", "dtype": "float32",
+                                          "device": "cpu"}) == 1
+    stage = m.encode_stage_seconds
+    assert stage.labels(stage="prepare") is stage.labels(stage="prepare")  # looked up once

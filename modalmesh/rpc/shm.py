@@ -198,7 +198,9 @@ class ShmExporter:
         self.max_bytes = max_bytes
         self._probes: collections.OrderedDict[tuple[str, bytes], tuple[bool, float]] = collections.OrderedDict()
         self._max_probes = max_probes
-        self._slabs: list[_Slab] = []  # idle or leased; a slab being written is in neither list
+        # Idle or leased, by name (a slab being written is not here): lease_live looks one up per held CUDA
+        # IPC answer on every export, and a scan of the list there was O(held x slabs) on the event loop.
+        self._slabs: dict[str, _Slab] = {}
         self._reserved = 0  # bytes of slabs being created outside the lock
         self._closed = False
         self._lock = threading.Lock()
@@ -207,7 +209,7 @@ class ShmExporter:
 
     @property
     def slab_bytes(self) -> int:
-        return sum(s.capacity for s in self._slabs) + self._reserved
+        return sum(s.capacity for s in self._slabs.values()) + self._reserved
 
     def peer_shares(self, options: pb.TransferOptions) -> bool:
         """True when the probe named in `options` is this user's regular file holding its nonce (cached)."""
@@ -243,18 +245,19 @@ class ShmExporter:
         with self._lock:
             if self._closed:
                 return None
-            for s in [s for s in self._slabs if not s.returned() and s.deadline <= now]:
-                self._slabs.remove(s)  # its reader never came: replace it, never overwrite it
+            for s in [s for s in self._slabs.values() if not s.returned() and s.deadline <= now]:
+                del self._slabs[s.name]  # its reader never came: replace it, never overwrite it
                 retired.append(s)
             # Reuse a returned slab that fits without wasting more than half of it.
-            fitting = [s for s in self._slabs if s.returned() and need <= s.capacity <= max(2 * need, _MIN_SLAB)]
+            fitting = [s for s in self._slabs.values()
+                       if s.returned() and need <= s.capacity <= max(2 * need, _MIN_SLAB)]
             slab = min(fitting, key=lambda s: s.capacity, default=None)
             capacity = _size_class(need) if need > HEADER else mmap.PAGESIZE  # a lease alone: one page
             if slab is None and capacity <= self.max_bytes:
-                idle = sorted((s for s in self._slabs if s.returned()), key=lambda s: s.capacity)
+                idle = sorted((s for s in self._slabs.values() if s.returned()), key=lambda s: s.capacity)
                 while idle and self.slab_bytes + capacity > self.max_bytes:  # make room from idle slabs
                     victim = idle.pop(0)
-                    self._slabs.remove(victim)
+                    del self._slabs[victim.name]
                     retired.append(victim)
                 if self.slab_bytes + capacity <= self.max_bytes:
                     self._reserved += capacity
@@ -263,7 +266,7 @@ class ShmExporter:
             elif slab is None:
                 capacity = 0  # larger than the whole budget
             if slab is not None:
-                self._slabs.remove(slab)
+                del self._slabs[slab.name]
         for s in retired:
             s.close()
         if slab is not None or not capacity:
@@ -304,7 +307,7 @@ class ShmExporter:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._slabs.append(slab)
+                self._slabs[slab.name] = slab
         if closed:
             slab.close()
             return None
@@ -316,15 +319,13 @@ class ShmExporter:
         exporter keeps a tensor alive exactly that long)."""
         now = time.monotonic()
         with self._lock:
-            for s in self._slabs:
-                if s.name == name:
-                    return _word(s.map, _LEASE) == lease and not s.returned() and s.deadline > now
-        return False
+            s = self._slabs.get(name)
+            return s is not None and _word(s.map, _LEASE) == lease and not s.returned() and s.deadline > now
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            slabs, self._slabs = self._slabs, []
+            slabs, self._slabs = list(self._slabs.values()), {}
         for slab in slabs:
             slab.close()
 
