@@ -21,15 +21,12 @@ from PIL import Image, ImageOps
 
 from modalmesh import pb
 from modalmesh.errors import ConfigError, InvalidArgument
-from modalmesh.metrics import Metrics
 from modalmesh.rpc.codec import from_proto
-from modalmesh.rpc.server import GrpcServer, ServerConfig
-from modalmesh.service import build_parser
 from modalmesh.testing import tiny
 from services.vision_encoder import device_decode as dd
 from services.vision_encoder import preprocess as pp
 from services.vision_encoder.model import build_encoder_model
-from services.vision_encoder.server import VisionEncoderService
+from tests.test_vision_service import _serve
 
 
 class PilJpegDecoder:
@@ -231,19 +228,8 @@ def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, mon
     want = pil.encode([pil.prepare(pb.EncodeItem(data=other), 0)])[0].embedding
 
     async def body():
-        parser = build_parser("vision_encoder", "")
-        VisionEncoderService.add_arguments(parser)
-        args = parser.parse_args(["--model", str(path), "--device", "cpu", "--metrics-port", "-1",
-                                  "--preprocess-device", "device", "--batch-window-ms", "300"])
-        service = VisionEncoderService(args, Metrics("vision_encoder", process_metrics=False))
-        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0), service.metrics)
-        service.register(server)
-        port = await server.start()
-        await service._startup()
-        await server.set_serving(True)
-        sizes = []
-        encode = service.model.encode
-        service.model.encode = lambda batch: sizes.append(len(batch)) or encode(batch)
+        service, server, port, _metrics, calls = await _serve(path, "--preprocess-device", "device",
+                                                               "--batch-window-ms", "300")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
@@ -251,7 +237,7 @@ def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, mon
                     stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=good), pb.EncodeItem(data=broken)])),
                     stub.Encode(pb.EncodeRequest(items=[pb.EncodeItem(data=other)])),
                     return_exceptions=True)
-                return results, sizes, service.model.describe()
+                return results, [len(c) for c in calls], service.model.describe()
         finally:
             await server.stop(0)
             await service.close()
