@@ -129,7 +129,7 @@ class BoundMetric:
     def remove(self, **labels) -> None:
         values = [self.service] + [str(labels[name]) for name in self.labelnames]
         wanted = {name: str(labels[name]) for name in self.labelnames}
-        for key in [k for k in self._children if {n: str(v) for n, v in k} == wanted]:
+        for key in [k for k in list(self._children) if {n: str(v) for n, v in k} == wanted]:
             del self._children[key]
         try:
             self.metric.remove(*values)

@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageOps
 
 from modalmesh import pb
-from modalmesh.errors import ConfigError, InvalidArgument
+from modalmesh.errors import ConfigError, InvalidArgument, ResourceExhausted
 from modalmesh.rpc.codec import from_proto
 from modalmesh.testing import tiny
 from services.vision_encoder import device_decode as dd
@@ -152,6 +152,15 @@ def test_what_the_device_decoder_takes(checkpoints, monkeypatch):
     assert not dd.takes(header._replace(adobe=True), good)  # RGB- or CMYK-coded streams stay with PIL
     assert not dd.takes(header._replace(orientation=0), good)  # an unreadable EXIF block
     assert not dd.takes(header._replace(reduce=2), good)  # draft-decoded by PIL, smaller
+    assert not dd.takes(header._replace(width=65), good)  # PIL's header and the frame header disagree
+    sof = good.index(b"\xff\xc0")
+    for label, changed in {
+        "arithmetic": good[:sof + 1] + b"\xc9" + good[sof + 2:],  # nvJPEG refuses it; PIL would decode it
+        "12-bit": good[:sof + 4] + b"\x0c" + good[sof + 5:],
+        "two frames": good[:sof] + good[sof:sof + 2 + int.from_bytes(good[sof + 2:sof + 4], "big")] + good[sof:],
+    }.items():
+        assert dd.frame(changed) is None and not dd.takes(header, changed), label
+    assert dd.frame(good) == (48, 64) and dd.frame(jpeg(photo(64, 48, 0), progressive=True)) == (48, 64)
     monkeypatch.setattr(dd, "MAX_PIXELS", 64 * 48 - 1)
     assert not dd.takes(header, good)
     # A large JPEG decoded at 1/2 by PIL's draft stays on the PIL path and keeps its reduced size.
@@ -176,6 +185,55 @@ def test_pil_takes_over_where_the_device_decoder_fails_and_a_bad_item_fails_alon
     assert torch.equal(got[3].embedding, want[2].embedding)
     alone = ours.encode([ours.prepare(pb.EncodeItem(data=broken), 5)])  # a batch of nothing but a bad item
     assert str(alone[0].error).startswith("items[5]:")
+
+
+def test_a_fallback_finding_no_decode_memory_fails_its_item_alone_at_once(checkpoints):
+    # PIL's fallback decode in the worker takes decode memory without waiting: with none free that item is
+    # RESOURCE_EXHAUSTED and the batch goes on (it waited 30 s and then failed the whole batch).
+    good = [jpeg(photo(60, 80, i)) for i in range(2)]
+    pil, ours = _models(checkpoints["siglip"], PilJpegDecoder(fail=(good[1],)))
+    ours.decode_budget.held = ours.decode_budget.capacity  # other large images hold all of it
+    got = ours.encode([ours.prepare(pb.EncodeItem(data=d), i) for i, d in enumerate(good)])
+    assert isinstance(got[1].error, ResourceExhausted) and str(got[1].error).startswith("items[1]: the server is busy")
+    assert torch.equal(got[0].embedding, pil.encode([pil.prepare(pb.EncodeItem(data=good[0]), 0)])[0].embedding)
+
+
+def test_a_device_decoder_that_raises_leaves_the_batch_to_pil(checkpoints):
+    class Broken(PilJpegDecoder):
+        def decode(self, jpegs):
+            raise RuntimeError("out of memory")
+
+    pil, ours = _models(checkpoints["siglip"], Broken())
+    data = [jpeg(photo(60, 80, i)) for i in range(2)]
+    got = ours.encode([ours.prepare(pb.EncodeItem(data=d), i) for i, d in enumerate(data)])
+    want = pil.encode([pil.prepare(pb.EncodeItem(data=d), i) for i, d in enumerate(data)])
+    assert all(torch.equal(g.embedding, w.embedding) for g, w in zip(got, want))
+
+
+def test_cache_keys_on_the_loop_up_to_a_budget_and_in_the_pool_beyond(checkpoints, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from services.encoder import service as encoder_service
+
+    _, ours = _models(checkpoints["siglip"])
+    items = [pb.EncodeItem(data=jpeg(photo(60, 80, i))) for i in range(3)]
+    sizes = [len(it.data) for it in items]
+    monkeypatch.setattr(encoder_service, "INLINE_KEY_BYTES", sizes[0] + sizes[1])  # the third goes to the pool
+    pooled = []
+
+    class Pool(ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            pooled.append(args[1])
+            return super().submit(fn, *args, **kwargs)
+
+    async def keys():
+        with Pool(1) as pool:
+            stub = SimpleNamespace(model=ours, _pool=pool)
+            return await encoder_service.EncoderService._cache_keys(stub, items, asyncio.get_running_loop())
+
+    assert asyncio.run(keys()) == [ours.cache_key(it, i) for i, it in enumerate(items)]
+    assert pooled == [2]
 
 
 def test_a_batch_past_chunk_bytes_is_decoded_in_parts(checkpoints, monkeypatch):

@@ -328,3 +328,19 @@ def test_concurrent_exports_and_reads_never_mix_up_contents(tmp_path):
     exporter.close()
     reader.close()
     assert objects(tmp_path) == []
+
+
+def test_lease_live_follows_a_lease_from_export_to_hand_back(tmp_path):
+    # lease_live finds a slab by name (the CUDA IPC exporter asks it for every held answer on each export).
+    exporter, reader = ShmExporter(directory=tmp_path), ShmReader(tmp_path)
+    try:
+        ref = exporter.export(pb.Tensor(dtype=pb.UINT8, shape=[0]), b"").shared_memory
+        other = exporter.export(pb.Tensor(dtype=pb.UINT8, shape=[0]), b"").shared_memory
+        assert exporter.lease_live(ref.name, ref.lease) and exporter.lease_live(other.name, other.lease)
+        assert not exporter.lease_live(ref.name, ref.lease ^ 1)  # another lease of the same slab
+        assert not exporter.lease_live("modalmesh-emb-" + "0" * 32, ref.lease)  # no such slab
+        reader.hand_back(ref)
+        assert not exporter.lease_live(ref.name, ref.lease) and exporter.lease_live(other.name, other.lease)
+    finally:
+        reader.close()
+        exporter.close()

@@ -209,6 +209,7 @@ class ShmExporter:
 
     @property
     def slab_bytes(self) -> int:
+        """Bytes of every slab, in use or being made (read it under `_lock`, or as a snapshot for tests)."""
         return sum(s.capacity for s in self._slabs.values()) + self._reserved
 
     def peer_shares(self, options: pb.TransferOptions) -> bool:

@@ -33,7 +33,12 @@ from services.encoder import flags as encoder_flags
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
-INLINE_KEY_BYTES = 256 << 10  # items up to this size are hashed for their cache key on the event loop
+INLINE_KEY_BYTES = 256 << 10  # a request's items are hashed on the event loop up to this many bytes in all
+
+
+def _payload_bytes(item: pb.EncodeItem) -> int:
+    """The bytes an item carries (not ByteSize(): upb serialises the whole item to count them)."""
+    return len(item.data) + len(item.pixels.data) + len(item.pcm.data)
 
 
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
@@ -170,13 +175,16 @@ class EncoderService(Service):
             self._inflight.popleft().synchronize()
 
     async def _cache_keys(self, items, loop) -> list[bytes | None]:
-        """Each item's cache key: a small item's on the loop, a larger one's in the pool. A hop to the pool and
-        back costs the loop more than hashing a typical image (hashlib lets go of the GIL past 2 KiB), and
-        the loop was the encoder's busiest thread under load (py-spy, issue 18)."""
+        """Each item's cache key: on the loop while the request's items come to at most INLINE_KEY_BYTES, the
+        rest in the pool. A hop to the pool and back costs the loop more than hashing a typical image
+        (hashlib lets go of the GIL past 2 KiB), and the loop was the encoder's busiest thread under load
+        (py-spy, issue 18)."""
         keys: list[bytes | None] = [None] * len(items)
-        large = []
+        large, budget = [], INLINE_KEY_BYTES
         for i, item in enumerate(items):
-            if item.ByteSize() <= INLINE_KEY_BYTES:
+            size = _payload_bytes(item)
+            if size <= budget:
+                budget -= size
                 keys[i] = self.model.cache_key(item, i)
             else:
                 large.append(i)

@@ -50,12 +50,14 @@ class DecodeBudget:
         self._cond = threading.Condition()
 
     @contextmanager
-    def hold(self, nbytes: int, where: str):
+    def hold(self, nbytes: int, where: str, wait_s: float | None = None):
+        """`wait_s`: how long to wait for room (None: the budget's own; 0: take it now or refuse)."""
         if nbytes > self.capacity:
             raise InvalidArgument(f"{where}: decoding this image would take about {nbytes / MiB:.0f} MiB; the "
                                   f"server decodes at most {self.capacity / MiB:.0f} MiB at once (--decode-memory-mb)")
         with self._cond:
-            if not self._cond.wait_for(lambda: self.held + nbytes <= self.capacity, timeout=self.wait_s):
+            if not self._cond.wait_for(lambda: self.held + nbytes <= self.capacity,
+                                       timeout=self.wait_s if wait_s is None else wait_s):
                 raise ResourceExhausted(f"{where}: the server is busy decoding other large images; try again")
             self.held += nbytes
         try:

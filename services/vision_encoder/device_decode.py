@@ -15,8 +15,9 @@ resizes the decoded pixels where they already are.
 
 Which images the device decodes (`takes`): a JPEG that PIL reads as RGB or L, without
 Adobe's APP14 marker (RGB- or CMYK-coded streams), with a readable EXIF orientation,
-decoded at full size (not PIL's draft), at most `MAX_PIXELS`, and ending in an EOI
-marker: a truncated file, which PIL refuses, must not turn into a half-grey picture.
+decoded at full size (not PIL's draft), at most `MAX_PIXELS`, with one 8-bit Huffman
+frame header whose size is PIL's (`frame`), and ending in an EOI marker: a truncated
+file, which PIL refuses, must not turn into a half-grey picture.
 Everything else (PNG, WebP, CMYK, very large JPEGs) is decoded by PIL in `prepare`
 as before. A JPEG nvImageCodec fails on is decoded again by PIL in the worker; if PIL
 fails too, that item's caller alone gets the INVALID_ARGUMENT.
@@ -61,7 +62,7 @@ def _probe_jpeg() -> bytes:
 
 def orient(image: torch.Tensor, orientation: int) -> torch.Tensor:
     """An (H, W, C) image turned upright by its EXIF orientation, exactly as ImageOps.exif_transpose
-    turns PIL's (a view; orientation 1, or anything outside 2-8, leaves it as it is)."""
+    turns PIL's (a copy where it flips; orientation 1, or anything outside 2-8, returns `image` itself)."""
     if orientation == 2:
         return image.flip(1)  # FLIP_LEFT_RIGHT
     if orientation == 3:
@@ -88,7 +89,36 @@ def takes(header, data: bytes) -> bool:
     """Whether the device decoder should decode this image (`header`: preprocess.image_header's)."""
     return (header.format == "JPEG" and header.mode in ("RGB", "L") and not header.adobe
             and header.reduce == 1 and header.orientation != 0 and header.width * header.height <= MAX_PIXELS
-            and data.rstrip(b"\0").endswith(EOI))
+            and data.rstrip(b"\0").endswith(EOI) and frame(data) == (header.width, header.height))
+
+
+# Start-of-frame markers nvJPEG decodes: baseline, extended and progressive Huffman coding. The others
+# (lossless, arithmetic, hierarchical) it refuses, and PIL would then decode them one by one in the worker.
+HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2)
+_FRAMES = tuple(m for m in range(0xC0, 0xD0) if m not in (0xC4, 0xC8, 0xCC))  # 0xC4 DHT, 0xC8 JPG, 0xCC DAC
+
+
+def frame(data: bytes) -> tuple[int, int] | None:
+    """(width, height) of a JPEG's one 8-bit Huffman frame, read from its markers up to the first scan; None
+    for any other frame, a second frame header (PIL's header and nvJPEG's could then disagree on the size
+    that every limit was checked against) or a stream this walk cannot follow."""
+    found, i = None, 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0xDA:  # start of scan: the headers are over
+            return found
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if length < 2:
+            return None
+        if marker in _FRAMES:
+            if found is not None or marker not in HUFFMAN_FRAMES or i + 9 > len(data) or data[i + 4] != 8:
+                return None
+            found = (int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big"))
+        i += 2 + length
+    return None
 
 
 class NvJpegDecoder:
@@ -157,7 +187,13 @@ class NvJpegDecoder:
                 log.warning("nvImageCodec failed on a batch of %d JPEGs (%s); PIL decodes them", len(streams), e)
                 decoded = [None] * len(streams)
             pool = [image for image in decoded if image is not None]
-            self._buffers = pool + [b for b in self._buffers[len(streams):] if all(b is not p for p in pool)]
+            pool += [b for b in self._buffers[len(streams):] if all(b is not p for p in pool)]
+            self._buffers, kept = [], 0
+            for buffer in pool:  # a buffer keeps its largest size: keep at most CHUNK_BYTES of them
+                kept += buffer.capacity
+                if kept > CHUNK_BYTES:
+                    break
+                self._buffers.append(buffer)
             for i, image in zip(where, decoded):
                 images[i] = image
         out: list[torch.Tensor | None] = []
@@ -165,15 +201,20 @@ class NvJpegDecoder:
             if image is None:
                 out.append(None)
                 continue
-            if image.buffer_kind != self._codec.ImageBufferKind.STRIDED_DEVICE:
-                image = image.cuda()  # a CPU backend took it (not in BACKENDS, but nvImageCodec decides)
-            pixels = torch.from_dlpack(image)  # synchronised with the decode stream (the current one)
-            if pixels.ndim == 3 and pixels.shape[2] == 3:
+            try:
+                if image.buffer_kind != self._codec.ImageBufferKind.STRIDED_DEVICE:
+                    image = image.cuda()  # a CPU backend took it (not in BACKENDS, but nvImageCodec decides)
+                pixels = torch.from_dlpack(image)  # synchronised with the decode stream (the current one)
+                if pixels.ndim != 3 or pixels.shape[2] != 3:
+                    out.append(None)
+                    continue
                 pixels = pixels.clone()
-                pixels.record_stream(caller)  # made here, used and freed on the caller's stream
-                out.append(pixels)
-            else:
+            except Exception as e:  # noqa: BLE001 - e.g. out of device memory: PIL decodes this one
+                log.warning("could not take a decoded JPEG off nvImageCodec (%s); PIL decodes it", e)
                 out.append(None)
+                continue
+            pixels.record_stream(caller)  # made here, used and freed on the caller's stream
+            out.append(pixels)
         self._copied = torch.cuda.Event()
         self._copied.record(stream)
         return out

@@ -2,7 +2,7 @@
 
     path = preprocess_path("auto", device, cfg)          # "device" on CUDA, "cpu" elsewhere
     pre = DevicePreprocessor(cfg, device, staging)
-    rows = pre.qwen2_vl_rows(images, sizes)              # images: uint8 (H, W, 3) CPU tensors from `prepare`
+    rows = pre.qwen2_vl_rows(images, sizes)              # images: uint8 (H, W, 3), on the host or the device
     pixels = pre.fixed_pixels(images)                    # SigLIP: (N, 3, height, width)
 
 Why: on one CPU thread the float64 rescale and normalise of preprocess.py cost more

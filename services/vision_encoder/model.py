@@ -35,7 +35,7 @@ from PIL import Image
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError, InvalidArgument
+from modalmesh.errors import ConfigError, ModalmeshError
 from modalmesh.models import build_and_load, pick
 from modalmesh.batch_graphs import BatchGraphs
 from modalmesh.staging import HostStaging
@@ -242,7 +242,8 @@ class VisionEncoderModel(EncoderModel):
         """The device path: each item's image resized, rescaled and normalised on the device ((3, h, w) float32,
         in order, failed items left out), and the errors of the items that could not be decoded by index.
         JPEGs are decoded here, a part of the batch at a time (`dd.CHUNK_BYTES` decoded), each part
-        preprocessed before the next is decoded; the images PIL decoded in `prepare` go up in one copy."""
+        preprocessed before the next is decoded; the images PIL decoded in `prepare` go up in one copy
+        per part."""
         pre = self.device_preprocessor
         out: list[torch.Tensor] = []
         errors: dict[int, Exception] = {}
@@ -278,7 +279,11 @@ class VisionEncoderModel(EncoderModel):
         todo = [i for i, it in enumerate(items) if "jpeg" in it.meta]
         if not todo:
             return images
-        decoded = self.jpeg_decoder.decode([items[i].meta["jpeg"] for i in todo])
+        try:
+            decoded = self.jpeg_decoder.decode([items[i].meta["jpeg"] for i in todo])
+        except Exception:  # noqa: BLE001 - e.g. out of device memory: PIL decodes them, the batch goes on
+            log.exception("the device decoder failed on %d JPEGs; PIL decodes them", len(todo))
+            decoded = [None] * len(todo)
         for i, image in zip(todo, decoded):
             meta = items[i].meta
             if image is None:
@@ -289,13 +294,16 @@ class VisionEncoderModel(EncoderModel):
         return images
 
     def _decode_with_pil(self, item: PreparedItem) -> torch.Tensor | Exception:
+        """PIL's decode in the worker, for a JPEG the device refused: the item's error in its place if it
+        fails, and no waiting for decode memory (the whole batch would wait): none free is that item's
+        RESOURCE_EXHAUSTED."""
         meta = item.meta
         try:
-            with self.decode_budget.hold(meta["decoded_bytes"] * 2, meta["where"]):
+            with self.decode_budget.hold(meta["decoded_bytes"] * 2, meta["where"], wait_s=0):
                 image = pp.to_rgb(pp.decode_image(pb.EncodeItem(data=meta["jpeg"]), meta["index"],
                                                   max_image_pixels=int(self.options["max_image_pixels"])))
                 return dp.rgb_tensor(image)
-        except InvalidArgument as e:
+        except ModalmeshError as e:
             return e
 
     # ---- service helpers ------------------------------------------------------------------
