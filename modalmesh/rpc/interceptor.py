@@ -167,8 +167,9 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__} (details in the server log)")
 
     def _begin(self, rpc: str, context) -> float:
-        # In flight until the call has ended on the wire, not merely until the handler returned: its
-        # response may still be being sent, and a drain that stops the server then would cut it off.
+        # In flight until grpc has taken the call's last reply and status (the done callback), not merely
+        # until the handler returned. That is still before the client has them all: the drain must not
+        # force-close connections on idle (see GrpcServer.drain).
         self.active += 1
         context.add_done_callback(self._call_done)
         if self._metrics is not None:

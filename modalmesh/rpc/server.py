@@ -82,13 +82,38 @@ def _bind_reason(host: str, port: int) -> str | None:
     return None
 
 
+class _HealthServicer(health.aio.HealthServicer):
+    """grpc's health servicer, whose Watch streams the drain can end (they never end by themselves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ending = asyncio.Event()
+
+    def end_watches(self) -> None:
+        self._ending.set()
+
+    async def Watch(self, request, context) -> None:
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        ending = asyncio.ensure_future(self._ending.wait())
+        try:
+            await asyncio.wait({watching, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ending.cancel()
+            watching.cancel()  # a request only: a pending task is not done() until it has run
+        if watching.done():
+            return watching.result()  # it ended by itself
+        await asyncio.wait({watching})  # let it clean up, then end the stream
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
+        context.set_details("the server is shutting down")
+
+
 class GrpcServer:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None):
         self.config = config
         self.metrics = metrics
         self.interceptor = StatusInterceptor(metrics, config.security)
         self._server = grpc.aio.server(interceptors=[self.interceptor], options=config.options())
-        self.health = health.aio.HealthServicer()
+        self.health = _HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._services: list[str] = []
         self.port: int | None = None
@@ -138,11 +163,15 @@ class GrpcServer:
             self.draining.set()
         # The grace is for the services' own calls: once they are done, end now. Health watches (a
         # gateway's, a load balancer's) never finish by themselves and would hold every drain to the full
-        # grace period.
+        # grace period, so end them and let stop(grace) finish by itself. Not stop(0): a call is done for
+        # the interceptor once grpc has taken its last reply and status, which may still be in the
+        # connection's buffers (a 32 MiB reply is); stop(0) force-closes every connection and cut such
+        # replies off (UNAVAILABLE "Cancelling all calls", or a reset after the GOAWAY). stop(grace)
+        # closes each connection only after its last stream has been written out, and ends when all are.
         idle = asyncio.ensure_future(self.interceptor.wait_idle())
         await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
-            await self._server.stop(0)
+            self.health.end_watches()
         idle.cancel()
         await stopping
 
