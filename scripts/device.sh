@@ -147,11 +147,14 @@ for name in "$@"; do
         audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
         transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;
         ipc-probe) step ipc-probe 60 python3 scripts/cuda_ipc_probe.py; cat "$OUT/ipc-probe.log" ;;
-        profile-graphed)  # the graphed SigLIP service under load: where each thread waits (--idle), who holds the GIL (--gil)
+        profile-graphed|profile-whisper)  # a service under load (SigLIP, or Whisper): where each thread waits
+            # (--idle), who holds the GIL (--gil)
+            case_=siglip; module=services.vision_encoder; requests=4096
+            [ "$name" = profile-whisper ] && { case_=whisper; module=services.audio_encoder; requests=2048; }
             P="$OUT/prof"; mkdir -p "$P"
-            python3 bench/encode_load.py --only siglip --no-tower --requests 4096 >"$P/load.log" 2>&1 &
+            python3 bench/encode_load.py --only "$case_" --no-tower --requests "$requests" >"$P/load.log" 2>&1 &
             load=$!
-            for _ in $(seq 120); do svc=$(pgrep -f "services.vision_encoder" | head -1); [ -n "$svc" ] && break; sleep 1; done
+            for _ in $(seq 120); do svc=$(pgrep -f "$module" | head -1); [ -n "$svc" ] && break; sleep 1; done
             for _ in $(seq 150); do grep -q "load starts" "$P/load.log" 2>/dev/null && break; sleep 1; done
             sleep 2  # past the warm-up calls
             /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --idle \
@@ -159,8 +162,8 @@ for name in "$@"; do
             /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --gil \
                 -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
             timeout 60 tail --pid "$load" -f /dev/null
-            echo "== profile-graphed"; grep -c . "$P"/*.txt; grep "RESULT\|mean ms" "$P/load.log"
-            tar czf "$OUT/profile-graphed.tgz" -C "$OUT" prof && rm -rf "$P" ;;
+            echo "== $name"; grep -c . "$P"/*.txt; grep "RESULT\|mean ms" "$P/load.log"
+            tar czf "$OUT/$name.tgz" -C "$OUT" prof && rm -rf "$P" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
