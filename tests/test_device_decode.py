@@ -210,32 +210,6 @@ def test_a_device_decoder_that_raises_leaves_the_batch_to_pil(checkpoints):
     assert all(torch.equal(g.embedding, w.embedding) for g, w in zip(got, want))
 
 
-def test_cache_keys_on_the_loop_up_to_a_budget_and_in_the_pool_beyond(checkpoints, monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
-
-    from services.encoder import service as encoder_service
-
-    _, ours = _models(checkpoints["siglip"])
-    items = [pb.EncodeItem(data=jpeg(photo(60, 80, i))) for i in range(3)]
-    sizes = [len(it.data) for it in items]
-    monkeypatch.setattr(encoder_service, "INLINE_KEY_BYTES", sizes[0] + sizes[1])  # the third goes to the pool
-    pooled = []
-
-    class Pool(ThreadPoolExecutor):
-        def submit(self, fn, *args, **kwargs):
-            pooled.append(args[1])
-            return super().submit(fn, *args, **kwargs)
-
-    async def keys():
-        with Pool(1) as pool:
-            stub = SimpleNamespace(model=ours, _pool=pool)
-            return await encoder_service.EncoderService._cache_keys(stub, items, asyncio.get_running_loop())
-
-    assert asyncio.run(keys()) == [ours.cache_key(it, i) for i, it in enumerate(items)]
-    assert pooled == [2]
-
-
 def test_a_batch_past_chunk_bytes_is_decoded_in_parts(checkpoints, monkeypatch):
     pil, ours = _models(checkpoints["siglip"])
     data = [jpeg(photo(60, 80, i)) for i in range(5)]

@@ -33,13 +33,6 @@ from services.encoder import flags as encoder_flags
 from services.encoder.config import EncoderServiceConfig
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
-INLINE_KEY_BYTES = 256 << 10  # a request's items are hashed on the event loop up to this many bytes in all
-
-
-def _payload_bytes(item: pb.EncodeItem) -> int:
-    """The bytes an item carries (not ByteSize(): upb serialises the whole item to count them)."""
-    return len(item.data) + len(item.pixels.data) + len(item.pcm.data)
-
 
 def _serialize(response: pb.EncodeResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
@@ -174,26 +167,6 @@ class EncoderService(Service):
         while len(self._inflight) > self.config.batches_in_flight:
             self._inflight.popleft().synchronize()
 
-    async def _cache_keys(self, items, loop) -> list[bytes | None]:
-        """Each item's cache key: on the loop while the request's items come to at most INLINE_KEY_BYTES, the
-        rest in the pool. A hop to the pool and back costs the loop more than hashing a typical image
-        (hashlib lets go of the GIL past 2 KiB), and the loop was the encoder's busiest thread under load
-        (py-spy, issue 18)."""
-        keys: list[bytes | None] = [None] * len(items)
-        large, budget = [], INLINE_KEY_BYTES
-        for i, item in enumerate(items):
-            size = _payload_bytes(item)
-            if size <= budget:
-                budget -= size
-                keys[i] = self.model.cache_key(item, i)
-            else:
-                large.append(i)
-        hashed = await asyncio.gather(*(loop.run_in_executor(self._pool, self.model.cache_key, items[i], i)
-                                        for i in large))
-        for i, key in zip(large, hashed):
-            keys[i] = key
-        return keys
-
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
         """The answer, or its wire bytes when embeddings travel in it (see `add_encoder_service`)."""
         if self.model is None:
@@ -205,7 +178,9 @@ class EncoderService(Service):
             raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.config.max_items_per_request}")
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        keys = await self._cache_keys(request.items, loop)
+        keys = await asyncio.gather(
+            *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
+        )
         out: list[Answer | None] = [None] * n
         first: dict[bytes, int] = {}  # key -> first index: repeats of known content are prepared once
         repeats: dict[int, int] = {}
