@@ -5,9 +5,10 @@
 
 One thread synchronizes on the events in the order they were asked for and wakes their awaiters on
 their event loops. Events of one stream complete in order, so one thread waiting in turn wakes each
-in time (events of several streams would wake no earlier than those asked for before them). Before it, every answer of a running batch held a sender thread blocked on its event: the
-service then answered at most (threads / the batch's time on the GPU) calls a second, with the GPU
-and the CPU both half idle (SigLIP: 8 threads, 265 img/s on an H200).
+in time (events of several streams would wake no earlier than those asked for before them). Before
+it, every answer of a running batch held a sender thread blocked on its event: the service then
+answered at most (threads / the batch's time on the GPU) calls a second, with the GPU and the CPU
+both half idle (SigLIP: 8 threads, 265 img/s on an H200).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -169,16 +170,14 @@ class VisionEncoderModel(EncoderModel):
         max_pixels = int(self.options["max_image_pixels"])
         header = pp.image_header(item, index, max_image_pixels=max_pixels,
                                  max_decoded_bytes=int(self.options["max_image_decoded_bytes"]))
-        if self.jpeg_decoder is not None and dd.takes(header, item.data):
-            # The worker decodes it on the device (encode): nothing is decoded here.
-            width, height = dd.upright_size(header.width, header.height, header.orientation)
-            return self._device_item(height, width, key, where, *((lo, hi) if self.native else ()), inputs={},
-                                     jpeg=item.data, orientation=header.orientation, index=index,
-                                     decoded_bytes=header.width * header.height * 3)
-        # Decoding and the conversion to RGB are where one small file becomes a lot of memory: each
-        # takes its estimated peak from the budget shared by every preparing thread first.
-        with self.decode_budget.hold(peak_bytes(*header.decoded_size, header.mode), where):
-            image = pp.to_rgb(pp.decode_image(item, index, max_image_pixels=max_pixels, reduce=header.reduce))
+        if self.jpeg_decoder is not None:
+            data = item.data  # one copy of the bytes (upb copies on every read)
+            if dd.takes(header, data):
+                # The worker decodes it on the device (encode): nothing is decoded here.
+                width, height = dd.upright_size(header.width, header.height, header.orientation)
+                return self._device_item(height, width, key, where, *((lo, hi) if self.native else ()), inputs={},
+                                         jpeg=data, header=header, index=index)
+        with self._decoding(item, index, header) as image:
             if self.device_preprocessor is not None:
                 return self._prepare_for_device(image, key, where, *((lo, hi) if self.native else ()))
             if self.native:
@@ -191,6 +190,15 @@ class VisionEncoderModel(EncoderModel):
             del image
         return PreparedItem(inputs={"pixel_values": torch.from_numpy(pixels)}, cost=self.tower.num_patches,
                             cache_key=key, meta={})
+
+    @contextmanager
+    def _decoding(self, item: pb.EncodeItem, index: int, header: pp.ImageHeader, wait_s: float | None = None):
+        """PIL's decode of `item`, in RGB, while its estimated peak is held from the decode budget. Decoding
+        and the conversion to RGB are where one small file becomes a lot of memory: each takes its peak
+        from the budget shared by every decoding thread first (`wait_s`: DecodeBudget.hold's)."""
+        with self.decode_budget.hold(peak_bytes(*header.decoded_size, header.mode), f"items[{index}]", wait_s):
+            yield pp.to_rgb(pp.decode_image(item, index, max_image_pixels=int(self.options["max_image_pixels"]),
+                                            reduce=header.reduce))
 
     def _prepare_for_device(self, image: Image.Image, key: bytes, where: str, *budget: int) -> PreparedItem:
         """The device path's item: the RGB pixels as uint8 and the size `encode` resizes them to."""
@@ -263,7 +271,8 @@ class VisionEncoderModel(EncoderModel):
         """The batch's indices in order, cut where the JPEGs to decode would pass dd.CHUNK_BYTES."""
         parts, held = [[]], 0
         for i, item in enumerate(batch):
-            size = item.meta.get("decoded_bytes", 0)
+            header = item.meta.get("header")  # only on JPEGs left for the device to decode
+            size = 0 if header is None else header.width * header.height * 3  # decoded, RGB
             if parts[-1] and held + size > dd.CHUNK_BYTES:
                 parts.append([])
                 held = 0
@@ -290,7 +299,7 @@ class VisionEncoderModel(EncoderModel):
                 log.info("%s: the device could not decode this JPEG; decoding it with PIL", meta["where"])
                 images[i] = self._decode_with_pil(items[i])
             else:
-                images[i] = dd.orient(image, meta["orientation"])
+                images[i] = dd.orient(image, meta["header"].orientation)
         return images
 
     def _decode_with_pil(self, item: PreparedItem) -> torch.Tensor | Exception:
@@ -299,9 +308,7 @@ class VisionEncoderModel(EncoderModel):
         RESOURCE_EXHAUSTED."""
         meta = item.meta
         try:
-            with self.decode_budget.hold(meta["decoded_bytes"] * 2, meta["where"], wait_s=0):
-                image = pp.to_rgb(pp.decode_image(pb.EncodeItem(data=meta["jpeg"]), meta["index"],
-                                                  max_image_pixels=int(self.options["max_image_pixels"])))
+            with self._decoding(pb.EncodeItem(data=meta["jpeg"]), meta["index"], meta["header"], wait_s=0) as image:
                 return dp.rgb_tensor(image)
         except ModalmeshError as e:
             return e
@@ -322,7 +329,8 @@ class VisionEncoderModel(EncoderModel):
         """Service-specific facts for Info.extra."""
         p = self.processor
         facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"]),
-                 "preprocess": self.preprocess, "image_decode": self.image_decode, "cuda_graphs": "on" if self.graphs is not None else "off"}
+                 "preprocess": self.preprocess, "image_decode": self.image_decode,
+                 "cuda_graphs": "on" if self.graphs is not None else "off"}
         if self.native:
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))
