@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from modalmesh.errors import InvalidArgument
+from services.audio_encoder.wav import parse_wav
 
 MAX_CHANNELS = 64
 MIN_SAMPLE_RATE = 1_000
@@ -44,8 +45,11 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 def decode_audio(data: bytes, *, what: str, max_seconds: float) -> tuple[torch.Tensor, int]:
     """Encoded file bytes (WAV, FLAC, OGG/Vorbis, anything libsndfile reads) -> ((C, N) float32, rate).
 
-    The header is read first: a file longer than `max_seconds` is refused before its
-    samples are decoded (a few KB of FLAC can claim hours of silence).
+    libsndfile reads the header first and judges the file (errors, truncation, length): a file
+    longer than `max_seconds` is refused before its samples are decoded (a few KB of FLAC can
+    claim hours of silence). A plain PCM / float WAV whose layout wav.py reads the same way
+    then has its samples converted with numpy (the same values, without libsndfile's block
+    reads through Python callbacks); anything else is read by libsndfile.
     """
     import soundfile as sf
 
@@ -64,6 +68,11 @@ def decode_audio(data: bytes, *, what: str, max_seconds: float) -> tuple[torch.T
     if info.frames > 0 and info.frames / rate > max_seconds:
         raise InvalidArgument(f"{what}: audio is {info.frames / rate:.1f} s long; this server accepts at most "
                               f"{max_seconds:g} s")
+    wav = parse_wav(data)
+    if wav is not None and wav.agrees(info.format, info.subtype, info.channels, rate, info.frames):
+        wave = torch.from_numpy(wav.samples())
+        _check_samples(wave, what, finite=not wav.is_float)
+        return wave, rate
     limit = int(math.floor(max_seconds * rate)) + 1  # bounded read even when the header lies
     try:
         samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True, frames=limit)
@@ -108,10 +117,11 @@ def _check_rate(rate: int, what: str) -> None:
         raise InvalidArgument(f"{what}: sample rate {rate} Hz is outside {MIN_SAMPLE_RATE}..{MAX_SAMPLE_RATE} Hz")
 
 
-def _check_samples(wave: torch.Tensor, what: str) -> None:
+def _check_samples(wave: torch.Tensor, what: str, *, finite: bool = False) -> None:
+    """`finite`: the samples cannot hold NaN or infinities (decoded from integers): no scan for them."""
     if wave.shape[-1] == 0 or wave.shape[0] == 0:
         raise InvalidArgument(f"{what}: audio holds no samples")
-    if not bool(torch.isfinite(wave).all()):
+    if not finite and not bool(torch.isfinite(wave).all()):
         raise InvalidArgument(f"{what}: audio contains NaN or infinite samples")
 
 
