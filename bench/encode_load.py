@@ -231,6 +231,7 @@ class ThreadCpu:
 
 
 STAGES = ("prepare", "batch", "device", "respond")
+PHASES = ("launch", "wait", "idle", "device")  # of the worker's batches (modalmesh_encoder_batch_seconds)
 
 
 def service_sums(proc: ServiceProcess) -> dict[tuple[str, str], float]:
@@ -242,22 +243,24 @@ def service_sums(proc: ServiceProcess) -> dict[tuple[str, str], float]:
         for s in family.samples:
             if not s.name.endswith(("_sum", "_count")):
                 continue
-            if s.name.startswith(("modalmesh_batch_size_", "modalmesh_encode_stage_seconds_")) or (
+            if s.name.startswith(("modalmesh_batch_size_", "modalmesh_encode_stage_seconds_",
+                                  "modalmesh_encoder_batch_seconds_")) or (
                     s.name.startswith("modalmesh_request_duration_seconds_")
                     and s.labels.get("rpc", "").endswith("Encode")):
-                key = (s.name, s.labels.get("stage", ""))
+                key = (s.name, s.labels.get("stage", s.labels.get("phase", "")))
                 sums[key] = sums.get(key, 0.0) + s.value
     return sums
 
 
-def mean_between(before: dict, after: dict, histogram: str, stage: str = "") -> float:
-    """The mean of what `histogram` observed between two `service_sums` readings."""
-    def delta(suffix):
-        key = (histogram + suffix, stage)
-        return after.get(key, 0.0) - before.get(key, 0.0)
+def delta(before: dict, after: dict, sample: str, label: str = "") -> float:
+    """How much a `service_sums` value grew between two readings."""
+    return after.get((sample, label), 0.0) - before.get((sample, label), 0.0)
 
-    count = delta("_count")
-    return delta("_sum") / count if count else float("nan")
+
+def mean_between(before: dict, after: dict, histogram: str, label: str = "") -> float:
+    """The mean of what `histogram` observed between two `service_sums` readings."""
+    count = delta(before, after, histogram + "_count", label)
+    return delta(before, after, histogram + "_sum", label) / count if count else float("nan")
 
 
 def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -297,6 +300,12 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
             row["server_ms"] = mean_between(before, after, "modalmesh_request_duration_seconds") * 1e3
             row["stages_ms"] = {stage: round(mean_between(before, after, "modalmesh_encode_stage_seconds", stage)
                                              * 1e3, 2) for stage in STAGES}
+            # The worker's batches: each phase's mean, and its share of the load's wall time (device: how
+            # much of the time the stream had a batch on it; launch + wait + idle: the worker's whole time).
+            row["phases_ms"] = {phase: round(mean_between(before, after, "modalmesh_encoder_batch_seconds", phase)
+                                             * 1e3, 2) for phase in PHASES}
+            row["phases_share"] = {phase: round(delta(before, after, "modalmesh_encoder_batch_seconds_sum", phase)
+                                                / row["wall_s"], 3) for phase in PHASES}
             row["service_vs_tower"] = row["items_s"] / tower
             rows.append(row)
     finally:
@@ -343,6 +352,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['case']} [{r['variant']}] mean ms a call: in the service {r['server_ms']:.1f} ("
               + ", ".join(f"{k} {v}" for k, v in r["stages_ms"].items()) + f"); at the client {r['mean_ms']:.1f}")
+        print(f"{r['case']} [{r['variant']}] the worker's batches, mean ms (share of the wall time): "
+              + ", ".join(f"{k} {r['phases_ms'][k]} ({100 * r['phases_share'][k]:.0f}%)" for k in PHASES))
         print(f"{r['case']} [{r['variant']}] busiest threads: " + ", ".join(r["busiest_threads"]))
     print("RESULT " + json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows]))
     return 0

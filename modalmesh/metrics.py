@@ -71,6 +71,11 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "Time an Encode call spends in each stage: prepare (cache keys, decoding, preprocessing), batch "
                "(waiting for a batch and launching it), device (the batch's work on the GPU), respond (the "
                "answers out: shared or copied, serialized).", ("stage",), _LATENCY),
+    MetricSpec("modalmesh_encoder_batch_seconds", "histogram",
+               "An encoder's batches, by phase: launch (the worker queuing the batch's work: decoding, uploads, "
+               "the forward's launches), wait (the worker waiting for the batch before last to finish on the GPU), "
+               "idle (the worker between two batches), device (the stream's span from reaching the batch to "
+               "finishing it, CUDA events; observed once the batch has finished).", ("phase",), _LATENCY),
     MetricSpec("modalmesh_decoded_images_total", "counter", "Images decoded by the VAE."),
     MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
     MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),

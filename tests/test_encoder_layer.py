@@ -295,9 +295,11 @@ def test_answers_that_view_one_batch_output_own_their_bytes_in_the_cache(tmp_pat
 def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flight):
     """Pipelining with a bound: a batch's answers go back as soon as its work is queued, but the worker waits
     for the batch `batches_in_flight` back (its CUDA event), so arrivals pile into the next full batch
-    instead of a stream of small ones. Fake events record which batches were waited for."""
+    instead of a stream of small ones. Fake events record which batches were waited for; each waited for
+    has its device span (begun to ready) observed."""
     import collections
 
+    from modalmesh.metrics import Metrics
     from services.encoder.config import EncoderServiceConfig
 
     class Event:
@@ -307,13 +309,24 @@ def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flig
         def synchronize(self):
             self.waited = True
 
-    worker = type("Worker", (), {"_inflight": collections.deque(),
+        def elapsed_time(self, end):  # milliseconds, as torch's
+            return 1000.0 * (end.n - self.n)
+
+    metrics = Metrics("vision_encoder", process_metrics=False)
+    worker = type("Worker", (), {"_inflight": collections.deque(), "metrics": metrics,
                                  "config": EncoderServiceConfig(batches_in_flight=in_flight)})()
-    events = [Event(n) for n in range(5)]
-    for i, event in enumerate(events):
-        EncoderService._bound_inflight(worker, event)
+    events = [(Event(10 * n), Event(10 * n + n + 1)) for n in range(5)]  # batch n spans n + 1 seconds
+    for i, (begun, ready) in enumerate(events):
+        EncoderService._bound_inflight(worker, begun, ready)
         assert len(worker._inflight) == min(i + 1, in_flight)
-    assert [e.waited for e in events] == [n < 5 - in_flight for n in range(5)]  # the last ones still queued
+    assert [ready.waited for _, ready in events] == [n < 5 - in_flight for n in range(5)]  # the last ones queued
+    waited = 5 - in_flight
+
+    def sample(suffix):
+        return metrics.registry.get_sample_value(f"modalmesh_encoder_batch_seconds_{suffix}",
+                                                 {"service": "vision_encoder", "phase": "device"})
+
+    assert (sample("count"), sample("sum")) == (waited, sum(n + 1 for n in range(waited)))
 
 
 def test_each_encode_call_reports_its_time_per_stage(tmp_path):
@@ -340,6 +353,32 @@ def test_each_encode_call_reports_its_time_per_stage(tmp_path):
 
     assert {stage: count(stage) for stage in ("prepare", "batch", "device", "respond")} == {
         "prepare": 2, "batch": 1, "device": 1, "respond": 2}
+
+
+def test_the_workers_batches_report_their_phases(tmp_path):
+    """Two batches on the CPU: each one's launch, the worker's idle time between them; no GPU, so no wait
+    for the device and no device span."""
+
+    async def body():
+        service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+                await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0])]))
+                await stub.Encode(pb.EncodeRequest(items=[_item([3.0, 4.0])]))
+        finally:
+            await service.close()
+            await server.stop(0)
+        return metrics
+
+    metrics = asyncio.run(body())
+
+    def count(phase):
+        return metrics.registry.get_sample_value("modalmesh_encoder_batch_seconds_count",
+                                                 {"service": "audio_encoder", "phase": phase}) or 0
+
+    assert {phase: count(phase) for phase in ("launch", "idle", "wait", "device")} == {
+        "launch": 2, "idle": 1, "wait": 0, "device": 0}
 
 
 def test_the_pipelining_and_thread_knobs_flow_into_the_config_and_bad_values_are_refused(tmp_path):

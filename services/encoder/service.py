@@ -67,7 +67,9 @@ class EncoderService(Service):
         self.model: EncoderModel | None = None
         self.cache: EmbeddingCache | None = None
         self.batcher: Batcher | None = None
-        self._inflight: collections.deque = collections.deque()  # CUDA events of batches queued on the device
+        # (begun, ready) CUDA events of the batches queued on the device
+        self._inflight: collections.deque = collections.deque()
+        self._last_batch_end: float | None = None  # when the worker last finished with a batch
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
@@ -132,7 +134,30 @@ class EncoderService(Service):
     def _encode_batch(self, batch: list[PreparedItem], abandoned) -> list[Answer | Exception]:
         """Worker thread: one model call, then the answers, left where the model made them (on its device):
         the transport copies each one once, by the path its caller takes (modalmesh.rpc.transfer).
-        One forward has no point to stop at: `abandoned` is not consulted."""
+        One forward has no point to stop at: `abandoned` is not consulted. The batch's phases are timed
+        (`encoder_batch_seconds`): where a service under load loses its GPU's time shows there."""
+        started = time.perf_counter()
+        phases = self.metrics.encoder_batch_seconds
+        if self._last_batch_end is not None:
+            phases.labels(phase="idle").observe(started - self._last_batch_end)
+        on_cuda = torch.device(self.device).type == "cuda"
+        begun = None
+        if on_cuda:
+            begun = torch.cuda.Event(enable_timing=True)
+            begun.record(torch.cuda.current_stream(self.device))
+        try:
+            answers = self._run_batch(batch)
+            launched = time.perf_counter()
+            phases.labels(phase="launch").observe(launched - started)
+            ready = next((a.ready for a in answers if isinstance(a, Answer) and a.ready is not None), None)
+            if ready is not None:
+                self._bound_inflight(begun, ready)
+                phases.labels(phase="wait").observe(time.perf_counter() - launched)
+            return answers
+        finally:
+            self._last_batch_end = time.perf_counter()
+
+    def _run_batch(self, batch: list[PreparedItem]) -> list[Answer | Exception]:
         with torch.inference_mode():
             results: list[EncodedItem] = self.model.encode(batch)
             answers: list[Answer | Exception] = []
@@ -150,22 +175,26 @@ class EncoderService(Service):
                 answers.append(Answer(meta, tensor))
             devices = {a.tensor.device for a in answers if isinstance(a, Answer) and a.tensor.device.type == "cuda"}
             if devices:
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event(enable_timing=True)  # timed: the batch's span on the device
                 # On the stream the batch ran on, after it: transfer copies wait for this alone.
                 ready.record(torch.cuda.current_stream(next(iter(devices))))
                 answers = [dataclasses.replace(a, ready=ready) if isinstance(a, Answer) else a for a in answers]
-                self._bound_inflight(ready)
         return answers
 
-    def _bound_inflight(self, ready: torch.cuda.Event) -> None:
+    def _bound_inflight(self, begun: torch.cuda.Event | None, ready: torch.cuda.Event) -> None:
         """Pipelining with a bound: the worker hands a batch's answers over as soon as its work is queued, so
         the next batch is prepared and uploaded while the GPU runs this one; but it waits for the batch
         before last, so at most `config.batches_in_flight` batches are queued on the device. Without the bound
         a worker that never waits launches every few arriving items as a batch of its own: many small
-        batches where the queue would have made a few full ones."""
-        self._inflight.append(ready)
+        batches where the queue would have made a few full ones. A batch waited for has its device span
+        observed (`begun` to `ready`)."""
+        self._inflight.append((begun, ready))
         while len(self._inflight) > self.config.batches_in_flight:
-            self._inflight.popleft().synchronize()
+            begun, ready = self._inflight.popleft()
+            ready.synchronize()
+            if begun is not None:
+                seconds = begun.elapsed_time(ready) / 1e3
+                self.metrics.encoder_batch_seconds.labels(phase="device").observe(seconds)
 
     async def encode(self, request: pb.EncodeRequest) -> pb.EncodeResponse | bytes:
         """The answer, or its wire bytes when embeddings travel in it (see `add_encoder_service`)."""
