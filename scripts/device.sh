@@ -138,11 +138,15 @@ for name in "$@"; do
             grep "mean ms\|busiest" "$OUT/encode-diag.log" ;;
         siglip-diag)  # SigLIP with nvJPEG: embeddings to the client's GPU or to its CPU; 64 clients or 128
             gpu_util_start
-            step siglip-diag 200 python3 bench/encode_load.py --only siglip --no-tower --variant gpu= \
-                --variant "cpu=@cpu=1"
+            step siglip-diag 240 python3 bench/encode_load.py --only siglip --no-tower --variant gpu= \
+                --variant "cpu=@cpu=1" --variant "bytes=--shared-memory-transfer off"
             step siglip-128 100 python3 bench/encode_load.py --only siglip --no-tower --clients 128
             gpu_util_stop
-            grep -h "mean ms\|busiest\|img/s" "$OUT/siglip-diag.log" "$OUT/siglip-128.log" ;;
+            grep -h "mean ms\|busiest\|img/s\|batches, mean" "$OUT/siglip-diag.log" "$OUT/siglip-128.log" ;;
+        whisper-prev-ab)  # Whisper on this tree and on the code before (.prev: `git archive REV`, carried)
+            step whisper-now 150 python3 bench/encode_load.py --only whisper
+            old_tree .prev whisper-prev --only whisper
+            grep -h "mean ms\|clip/s\|batches, mean\|busiest" "$OUT/whisper-now.log" "$OUT/whisper-prev.log" ;;
         vision-bench) step vision-bench 130 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448 --no-hf ;;
         audio-bench) step audio-bench 150 python3 bench/audio.py --batch 1 16 --profile ;;
         transfer) step transfer 120 python3 bench/transfer.py --sizes 448,2688 ;;
@@ -157,8 +161,13 @@ for name in "$@"; do
             for _ in $(seq 120); do svc=$(pgrep -f "$module" | head -1); [ -n "$svc" ] && break; sleep 1; done
             for _ in $(seq 150); do grep -q "load starts" "$P/load.log" 2>/dev/null && break; sleep 1; done
             sleep 2  # past the warm-up calls
+            # The load's own process (the client, as an LLM would take the answers) at the same time.
+            /tmp/site/bin/py-spy record --pid "$load" --duration 5 --rate 100 --format raw --threads --idle \
+                -o "$P/client-idle.txt" >"$P/py-spy-client.log" 2>&1 &
+            client_spy=$!
             /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --idle \
                 -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
+            wait "$client_spy"
             /tmp/site/bin/py-spy record --pid "$svc" --duration 5 --rate 100 --format raw --threads --gil \
                 -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
             timeout 60 tail --pid "$load" -f /dev/null
