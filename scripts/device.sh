@@ -24,8 +24,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >"$OUT/setup.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/setup.log"; exit 1; }
-python3 -c 'import torch, transformers, grpc; print(torch.__version__, transformers.__version__, grpc.__version__,
-torch.cuda.device_count(), "GPUs")' >>"$OUT/setup.log" 2>&1
+# Everything a service and a bench import, so a wheel missing from .whl stops the call here, not each step.
+python3 -c 'import torch, transformers, grpc, grpc_health.v1, grpc_reflection.v1alpha, soundfile, modalmesh.ops.launcher
+print(torch.__version__, transformers.__version__, grpc.__version__, torch.cuda.device_count(), "GPUs")' \
+    >>"$OUT/setup.log" 2>&1 || { echo "imports failed"; cat "$OUT/setup.log"; exit 1; }
 cat "$OUT/setup.log"
 
 step() {  # step NAME TIMEOUT COMMAND...
@@ -158,8 +160,11 @@ for name in "$@"; do
             P="$OUT/prof"; mkdir -p "$P"
             python3 bench/encode_load.py --only "$case_" --no-tower --requests "$requests" >"$P/load.log" 2>&1 &
             load=$!
-            for _ in $(seq 120); do svc=$(pgrep -f "$module" | head -1); [ -n "$svc" ] && break; sleep 1; done
-            for _ in $(seq 150); do grep -q "load starts" "$P/load.log" 2>/dev/null && break; sleep 1; done
+            # (each wait ends early if the load has died)
+            for _ in $(seq 120); do svc=$(pgrep -f "$module" | head -1); [ -n "$svc" ] && break; kill -0 "$load" || break
+                                    sleep 1; done
+            for _ in $(seq 150); do grep -q "load starts" "$P/load.log" 2>/dev/null && break; kill -0 "$load" || break
+                                    sleep 1; done
             sleep 2  # past the warm-up calls
             # The load's own process (the client, as an LLM would take the answers) at the same time.
             /tmp/site/bin/py-spy record --pid "$load" --duration 5 --rate 100 --format raw --threads --idle \
