@@ -313,7 +313,7 @@ def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flig
             return 1000.0 * (end.n - self.n)
 
     metrics = Metrics("vision_encoder", process_metrics=False)
-    worker = type("Worker", (), {"_inflight": collections.deque(), "metrics": metrics,
+    worker = type("Worker", (), {"_inflight": collections.deque(), "metrics": metrics, "_begun_free": [],
                                  "config": EncoderServiceConfig(batches_in_flight=in_flight)})()
     events = [(Event(10 * n), Event(10 * n + n + 1)) for n in range(5)]  # batch n spans n + 1 seconds
     for i, (begun, ready) in enumerate(events):
@@ -327,6 +327,7 @@ def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flig
                                                  {"service": "vision_encoder", "phase": "device"})
 
     assert (sample("count"), sample("sum")) == (waited, sum(n + 1 for n in range(waited)))
+    assert worker._begun_free == [begun for begun, _ in events[:waited]]  # timed: free to record again
 
 
 def test_each_encode_call_reports_its_time_per_stage(tmp_path):
