@@ -330,23 +330,28 @@ def test_the_worker_keeps_at_most_batches_in_flight_queued_on_the_device(in_flig
     assert worker._begun_free == [begun for begun, _ in events[:waited]]  # timed: free to record again
 
 
-def test_each_encode_call_reports_its_time_per_stage(tmp_path):
-    """A miss passes every stage; a cache hit has no batch and no device stage."""
+def _metrics_after(tmp_path, *requests: pb.EncodeRequest):
+    """The service's metrics once `requests` have been answered, one after the other."""
 
     async def body():
         service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "0")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
-                request = pb.EncodeRequest(items=[_item([1.0, 2.0])])
-                await stub.Encode(request)
-                await stub.Encode(request)  # the same content: the embedding cache answers
+                for request in requests:
+                    await stub.Encode(request)
         finally:
             await service.close()
             await server.stop(0)
         return metrics
 
-    metrics = asyncio.run(body())
+    return asyncio.run(body())
+
+
+def test_each_encode_call_reports_its_time_per_stage(tmp_path):
+    """A miss passes every stage; a cache hit has no batch and no device stage."""
+    request = pb.EncodeRequest(items=[_item([1.0, 2.0])])
+    metrics = _metrics_after(tmp_path, request, request)  # the same content again: the embedding cache answers
 
     def count(stage):
         return metrics.registry.get_sample_value("modalmesh_encode_stage_seconds_count",
@@ -359,20 +364,8 @@ def test_each_encode_call_reports_its_time_per_stage(tmp_path):
 def test_the_workers_batches_report_their_phases(tmp_path):
     """Two batches on the CPU: each one's launch, the worker's idle time between them; no GPU, so no wait
     for the device and no device span."""
-
-    async def body():
-        service, server, port, metrics = await _serve(tmp_path, "--batch-window-ms", "0")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
-                await stub.Encode(pb.EncodeRequest(items=[_item([1.0, 2.0])]))
-                await stub.Encode(pb.EncodeRequest(items=[_item([3.0, 4.0])]))
-        finally:
-            await service.close()
-            await server.stop(0)
-        return metrics
-
-    metrics = asyncio.run(body())
+    metrics = _metrics_after(tmp_path, pb.EncodeRequest(items=[_item([1.0, 2.0])]),
+                             pb.EncodeRequest(items=[_item([3.0, 4.0])]))
 
     def count(phase):
         return metrics.registry.get_sample_value("modalmesh_encoder_batch_seconds_count",
