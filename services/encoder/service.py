@@ -71,6 +71,7 @@ class EncoderService(Service):
         self._inflight: collections.deque = collections.deque()
         self._last_batch_end: float | None = None  # when the worker last finished with a batch
         self._begun_free: list = []  # timed CUDA events of batches already timed, to record again (worker only)
+        self._on_cuda = torch.device(self.device).type == "cuda"
         self._pool = ThreadPoolExecutor(max_workers=config.preprocess_threads, thread_name_prefix=f"{self.name}-prep")
         self.shm = (ShmExporter(ttl_s=config.shared_memory_ttl_s, max_bytes=config.shared_memory_bytes)
                     if config.shared_memory and shm_available() else None)
@@ -78,7 +79,7 @@ class EncoderService(Service):
         self._send_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.name}-send")
         # Same-host callers on CUDA too may read answers straight from this GPU (CUDA IPC, on top of shm).
         self.sender = EmbeddingSender(shm=self.shm, executor=self._send_pool, metrics=metrics,
-                                      cuda_ipc=torch.device(self.device).type == "cuda")
+                                      cuda_ipc=self._on_cuda)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -141,9 +142,8 @@ class EncoderService(Service):
         phases = self.metrics.encoder_batch_seconds
         if self._last_batch_end is not None:
             phases.labels(phase="idle").observe(started - self._last_batch_end)
-        on_cuda = torch.device(self.device).type == "cuda"
         begun = None
-        if on_cuda:
+        if self._on_cuda:
             # Reused once their batch has been timed: py-spy showed the worker blocked about 2.6 ms a batch
             # recording a new one on the H200 host, where the rest of a 14-image launch took about 17.
             begun = self._begun_free.pop() if self._begun_free else torch.cuda.Event(enable_timing=True)
