@@ -2,7 +2,7 @@
 # Every GPU step of a stop, for the device machine (see /work/.library/device): install the carried
 # wheels, then run the named steps in order, each under its own timeout, each logging to $OUT/<step>.log.
 #
-#   carry: .whl                     kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
+#   carry: .whl (made by scripts/device-wheels.sh)    kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
 #   bash scripts/device.sh cuda-tests llm-tp2 serve-tp2 tp1-pair
 #   bash scripts/device.sh tests-pair fused-ab llm-tp2      # issue 17's first check of the fused kernels
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
