@@ -10,17 +10,19 @@ from modalmesh.batch_graphs import BatchGraphs, buckets
 from modalmesh.testing import tiny
 
 
-def test_buckets_cover_every_batch_up_to_the_largest():
-    assert buckets(8) == [1, 2, 4, 6, 8]
-    assert buckets(64)[-1] == 64 and buckets(5) == [1, 2, 4, 5]
+def test_every_batch_size_up_to_the_largest_has_a_graph_of_its_own():
+    # No padding rows: with buckets 1, 2, 4, 6, 8, 12, 16, ... a batch of 13 ran 16 rows' work.
+    assert buckets(8) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert buckets(44)[-1] == 44 and len(buckets(44)) == 44 and buckets(0) == [1]
 
 
-def test_a_batch_replays_the_smallest_bucket_that_fits_and_owns_its_rows():
+def test_a_batch_replays_its_own_size_and_owns_its_rows():
     torch.manual_seed(0)
     tower = torch.nn.Linear(4, 3)  # every row on its own, as in the towers
-    sizes = buckets(8)
+    sizes = [1, 2, 4, 6, 8]  # a sparse set, as capture may be handed: a batch replays the smallest that fits
     inputs = torch.zeros(8, 4)
-    outputs = {n: torch.empty(n, 3) for n in sizes}
+    shared = torch.empty(8, 3)
+    outputs = {n: shared[:n] for n in sizes}  # as captured: views of one buffer
 
     class Replay:  # what a CUDA graph does: the captured forward on the static buffers
         def __init__(self, n):
@@ -69,8 +71,13 @@ def test_the_siglip_and_whisper_towers_replayed_equal_their_eager_forwards(tmp_p
         eager = build(path, device="cuda", dtype=torch.float32, options={"cuda_graphs": False})
         assert graphed.graphs is not None and eager.graphs is None
         assert graphed.describe()["cuda_graphs"] == "on"
-        for n in (1, 3, 5):  # padded to buckets 4 and 6
+        graphs = graphed.graphs
+        assert graphs.sizes == list(range(1, graphs.sizes[-1] + 1))  # every size: no padding rows
+        # One output buffer for all of them: the graphs' memory does not grow with their number.
+        assert {graphs.outputs[n].data_ptr() for n in graphs.sizes} == {graphs.outputs[graphs.sizes[-1]].data_ptr()}
+        for n in (1, 3, 5, 3):  # 3 again: its graph replayed after 5's wrote the shared buffer
             batch = [graphed.prepare(item(i), i) for i in range(n)]
+            assert graphs.bucket(n) == n
             before = graphed.graphs.replays
             got, want = graphed.encode(batch), eager.encode(batch)
             assert graphed.graphs.replays == before + 1
