@@ -160,6 +160,20 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
     probe = ShmProbe() if shm_available() else None
     pool = EncoderPool(modality, target, probe=probe, reader=ShmReader() if probe else None, device=device)
     latencies: list[float] = []
+    # The client's own split of a call: the RPC (the service, the transport both ways, both event loops)
+    # and reading the embedding onto this process's device (EmbeddingReceiver.take).
+    parts: dict[str, list[float]] = {"rpc": [], "take": []}
+
+    def timing(part, call):
+        async def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                parts[part].append(time.perf_counter() - start)
+        return timed
+
+    pool._encode, pool.receiver.take = timing("rpc", pool._encode), timing("take", pool.receiver.take)
     warm = min(clients, 4)
     next_item = iter(range(warm))  # the clients share one iterator: each takes the next item
     which = (lambda i: i % distinct) if distinct else (lambda i: i)
@@ -178,6 +192,8 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
             next_item = iter(range(distinct))
             await asyncio.gather(*(client() for _ in range(warm)))  # into the encoder's cache
         latencies.clear()
+        for times in parts.values():
+            times.clear()
         next_item = iter(range(warm, len(work)))
         before = readings()
         sampler = ThreadCpu([os.getpid(), service_pid])
@@ -197,6 +213,7 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
     return dict(items_s=len(latencies) / wall, mean_ms=statistics.mean(latencies) * 1e3,
                 p50_ms=percentile(latencies, 50) * 1e3,
                 p99_ms=percentile(latencies, 99) * 1e3, wall_s=wall, busiest_threads=busiest,
+                client_ms={part: round(statistics.mean(times) * 1e3, 2) for part, times in parts.items() if times},
                 readings=(before, after))
 
 
@@ -351,7 +368,9 @@ def main(argv=None) -> int:
               f"{r['target']:7.0f} | {r['p50_ms']:7.1f} | {r['p99_ms']:7.1f} | {r['mean_batch']:5.1f}  ({r['unit']}/s)")
     for r in rows:
         print(f"{r['case']} [{r['variant']}] mean ms a call: in the service {r['server_ms']:.1f} ("
-              + ", ".join(f"{k} {v}" for k, v in r["stages_ms"].items()) + f"); at the client {r['mean_ms']:.1f}")
+              + ", ".join(f"{k} {v}" for k, v in r["stages_ms"].items()) + f"); at the client {r['mean_ms']:.1f} ("
+              + ", ".join(f"{k} {v}" for k, v in r["client_ms"].items())
+              + f"; the RPC beyond the service {r['client_ms'].get('rpc', float('nan')) - r['server_ms']:.1f})")
         print(f"{r['case']} [{r['variant']}] the worker's batches, mean ms (share of the wall time): "
               + ", ".join(f"{k} {r['phases_ms'][k]} ({100 * r['phases_share'][k]:.0f}%)" for k in PHASES))
         print(f"{r['case']} [{r['variant']}] busiest threads: " + ", ".join(r["busiest_threads"]))
