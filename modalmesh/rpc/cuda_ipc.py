@@ -12,23 +12,18 @@ tensor is kept alive under a lease. The lease is a one-page slab of the shared-m
 let go once the reader hands the lease back or the TTL passes.
 
 Consumer (`CudaIpcReader`): checks the lease is live, opens the handle on its own device
-(torch maps it with lazy peer access: a peer copy when the GPUs differ), queues the copy into
-memory of its own, awaits it without holding the event loop (`modalmesh.cuda_events`: the
-loop synchronized the transfer stream itself before, 0.47 ms an answer on the H200 host,
-with the LLM's loop 53 % busy under SigLIP's load), then drops the mapping and hands the
-lease back.
+(torch maps it with lazy peer access: a peer copy when the GPUs differ), copies the bytes
+into memory of its own, drops the mapping and hands the lease back.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 
 import torch
 
 from modalmesh import pb
-from modalmesh.cuda_events import EventWaiter
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import dtype_name, layout, nbytes, transfer_stream
 from modalmesh.rpc.shm import ShmExporter, ShmReader
@@ -89,9 +84,8 @@ class CudaIpcReader:
 
     def __init__(self, shm: ShmReader):
         self.shm = shm  # maps the lease slabs
-        self.waiter = EventWaiter("cuda-ipc-reads")  # the copies are awaited here, not on the event loop
 
-    async def read(self, message: pb.Tensor, *, name: str, device: torch.device) -> torch.Tensor:
+    def read(self, message: pb.Tensor, *, name: str, device: torch.device) -> torch.Tensor:
         """The tensor, copied onto `device` (CUDA). Raises InvalidArgument for a malformed ref,
         SharedMemoryGone when its lease is gone or stale (ask again), RuntimeError when the handle
         cannot be opened (the path is off for the pool)."""
@@ -105,17 +99,9 @@ class CudaIpcReader:
         if device.type != "cuda":
             raise InvalidArgument(f"{name}: a CUDA IPC answer to a receiver on {device}")
         self.shm.leased(ref.lease, 0, name)  # live before the handle is opened: the memory is still the answer
-        out, copied, close = start_copy_shared(ref, device)
-        try:
-            await self.waiter.wait(copied)
-        finally:
-            close()  # the copy has run (or the caller went away: then close waits for it)
+        out = copy_shared(ref, device)
         self.shm.hand_back(ref.lease, name)
         return out.view(dtype).reshape(shape)
-
-    def close(self) -> None:
-        """Stop the waiting thread (blocks until the reads asked for have been waited for: off the loop)."""
-        self.waiter.close()
 
 
 def share(tensor: torch.Tensor) -> pb.CudaIpcRef:
@@ -130,13 +116,10 @@ def share(tensor: torch.Tensor) -> pb.CudaIpcRef:
                          offset=tensor.storage_offset() * tensor.element_size(), nbytes=nbytes(tensor))
 
 
-def start_copy_shared(ref: pb.CudaIpcRef, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
-    """`ref.nbytes` bytes of another process's GPU memory, being copied into memory of this process's on
-    `device` (uint8): the handle is opened and the copy queued on the transfer stream (within the GPU, or a
-    peer copy from the producer's). Returns the copy, an event recorded after it, and `close`, which drops
-    the mapping: call it once the event has completed (torch synchronizes the stream when it frees the
-    mapping; afterwards the producer may reuse the memory). Raises RuntimeError when CUDA cannot open it."""
+def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> torch.Tensor:
+    """`ref.nbytes` bytes of another process's GPU memory, copied into memory of this process's on `device`
+    (uint8): the handle is opened, copied from on the transfer stream (within the GPU, or a peer copy
+    from the producer's) and closed again. Raises RuntimeError when CUDA cannot open it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda._lazy_init()
     stream = transfer_stream(device)
@@ -147,30 +130,12 @@ def start_copy_shared(ref: pb.CudaIpcRef, device: torch.device
         storage = torch.UntypedStorage._new_shared_cuda(
             index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
             ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
-        mapped = [torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))]
-        del storage
         try:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
             out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
-            out.copy_(mapped[0])
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        except BaseException:
-            mapped.clear()
-            raise
+            out.copy_(src)
+            stream.synchronize()
+        finally:
+            src = storage = None  # closes the mapping here (torch's IPC counter tells the producer)
     out.record_stream(torch.cuda.current_stream(device))
-
-    def close() -> None:
-        with torch.cuda.stream(stream):
-            mapped.clear()  # closes the mapping here (torch's IPC counter tells the producer)
-
-    return out, copied, close
-
-
-def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> torch.Tensor:
-    """`start_copy_shared`, waited for on this thread and closed: the copy, ready on `device`."""
-    out, copied, close = start_copy_shared(ref, device)
-    try:
-        copied.synchronize()
-    finally:
-        close()
     return out

@@ -220,7 +220,7 @@ class EmbeddingReceiver:
 
             self._ipc_reader = CudaIpcReader(self.reader)
         try:
-            return await self._ipc_reader.read(message, name=name, device=self.device)
+            return await _copying(message.cuda_ipc.nbytes, self._ipc_reader.read, message, name=name, device=self.device)
         except (InvalidArgument, SharedMemoryGone) as exc:
             raise AskAgain(CUDA_IPC, f"{exc}; asking again without CUDA IPC") from None
         except (OSError, RuntimeError) as exc:
@@ -239,7 +239,4 @@ class EmbeddingReceiver:
                                           "from now on") from None
 
     def close(self) -> None:
-        """Blocks until the CUDA IPC reads asked for have been waited for: call it off the event loop."""
-        if self._ipc_reader is not None:
-            self._ipc_reader.close()
         self.reader.close()

@@ -140,7 +140,7 @@ class EncoderPool:
 
     async def close(self) -> None:
         await self.channel.close()
-        await asyncio.to_thread(self.receiver.close)  # joins its CUDA IPC waiter: not on the loop
+        self.receiver.close()
 
 
 class EncoderFanout:
