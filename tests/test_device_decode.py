@@ -281,3 +281,51 @@ def test_through_the_service_a_bad_jpeg_fails_its_request_alone(checkpoints, mon
     assert bad.details().startswith("items[1]: corrupt or truncated")
     # Close, not equal: the service's batch and the reference's differ in size, and so may the CPU's kernels.
     torch.testing.assert_close(from_proto(ok.embeddings[0].embedding), want, rtol=1e-5, atol=1e-5)
+
+
+class _Event:
+    """A CUDA event as the ring uses it: where it was recorded, and whether the host waited on it."""
+
+    log: list = []
+
+    def record(self, stream):
+        self.stream = stream
+        self.log.append(("recorded", stream))
+
+    def synchronize(self):
+        self.log.append(("waited", self.stream))
+
+
+class _Image:  # an nvImageCodec image, as the ring sees one
+    def __init__(self, capacity):
+        self.capacity = capacity
+
+
+def test_a_buffer_set_is_written_again_only_after_the_callers_work_on_it_a_round_earlier():
+    """nvImageCodec's images are handed out without a copy: a set is reused `sets` decodes later, once the
+    host has waited for the event marking the caller's stream when the decode after it began."""
+    _Event.log = []
+    ring = dd.BufferRing(_Event, sets=3)
+    taken = [ring.take(f"caller@{i}") for i in range(7)]
+    assert taken[:3] == ring.sets and taken[3:6] == ring.sets and taken[6] is ring.sets[0]
+    # Each take marks the caller's stream on the set taken before it; a set's mark is waited for when
+    # it comes round again (at take 3, the mark made at take 1 on set 0), never before.
+    assert _Event.log[:4] == [("recorded", "caller@1"), ("recorded", "caller@2"), ("recorded", "caller@3"),
+                              ("waited", "caller@1")]
+    assert [e for e in _Event.log if e[0] == "waited"] == [("waited", f"caller@{i}") for i in (1, 2, 3, 4)]
+
+
+def test_a_buffer_set_holds_every_image_it_made_and_keeps_buffers_up_to_its_share():
+    keep = dd.BufferSet()
+    first = [_Image(10), None, _Image(10), _Image(10)]
+    keep.keep(first, keep_bytes=100)
+    assert keep.held == [first[0], first[2], first[3]] and keep.buffers == keep.held
+    second = [_Image(40), _Image(40)]  # fewer images than buffers: the unused one stays
+    keep.keep(second, keep_bytes=100)
+    assert keep.held == second and keep.buffers == [*second, first[3]]
+    big = [_Image(90), _Image(10)]
+    keep.keep(big, keep_bytes=100)  # held whole (the caller's views), kept only up to the share
+    assert keep.held == big and keep.buffers == [big[0], big[1]]
+    keep.keep([_Image(120)], keep_bytes=100)
+    assert len(keep.held) == 1 and keep.buffers == []
+    assert dd.BufferRing(_Event, sets=3, keep_bytes=300).keep_bytes == 100
