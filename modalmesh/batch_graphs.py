@@ -85,6 +85,11 @@ class BatchGraphs:
         try:
             with torch.inference_mode():
                 graphs, outputs = capture(sizes, into_shared, device, torch.cuda.graph_pool_handle())
+                # Each graph's first replay uploads it to the device, which takes longer than a replay: pay it
+                # here rather than in the first batch of each size under load.
+                for n in sizes:
+                    graphs[n].replay()
+                torch.cuda.synchronize(device)
         except Exception as exc:  # noqa: BLE001 - eager still works; say why the graphs do not
             log.warning("tower runs eagerly: CUDA graph capture failed (%s: %s)", type(exc).__name__, exc)
             return None

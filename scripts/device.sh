@@ -129,6 +129,12 @@ for name in "$@"; do
             step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 640
             old_tree .prev encode-prev --only siglip,whisper --requests 640
             grep -h "mean ms" "$OUT/encode-now.log" "$OUT/encode-prev.log" ;;
+        encode-ab)  # SigLIP and Whisper on this tree, then on each earlier tree carried (.mid, .prev: `git archive REV`)
+            step encode-now 200 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 1024
+            for dir in .mid .prev; do
+                [ -d "$dir" ] && old_tree "$dir" "encode-${dir#.}" --only siglip,whisper --requests 1024
+            done
+            grep -h "mean ms\|img/s\|clip/s" "$OUT"/encode-*.log ;;
         encode-graphs-ab)  # the towers replayed from CUDA graphs against --enforce-eager, the same inputs
             step encode-graphs-ab 200 python3 bench/encode_load.py --only siglip,whisper --no-tower \
                 --variant graphs= --variant eager=--enforce-eager ;;
