@@ -11,6 +11,7 @@
 #   bash scripts/device.sh encoder-tests encode-load transfer encode-load-before   # issue 18's table (nvidia-h200)
 #   bash scripts/device.sh encode-diag profile-graphed encode-graphs-ab ipc-probe  # issue 18, where the time goes
 #   bash scripts/device.sh encoder-tests vision-bench encode-decode-ab   # issue 18, JPEGs decoded on the GPU
+#   bash scripts/device.sh encoder-tests encode-load encode-ab   # issue 18, graph per batch size (.prev, .mid carried)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.

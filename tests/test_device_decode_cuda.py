@@ -139,21 +139,13 @@ def test_buffers_are_reused_a_bad_jpeg_fails_alone_and_no_cuda_error_stays(nvimg
                                 options={"preprocess_device": "device", "image_decode": "nvimgcodec"})
     decoder = model.jpeg_decoder
     good = [jpeg(photo(120 + 8 * i, 160, i)) for i in range(6)]
-    sets = decoder._ring.sets
-    for _ in range(2 * len(sets)):  # each set decoded into twice: the second time into its own buffers
+    for _ in range(3):
         decoder.decode(good)
-    assert [len(s.buffers) for s in sets] == [6] * len(sets)
+    assert len(decoder._buffers) == 6
     first = [image.cpu() for image in decoder.decode(good[:2])]  # fewer images than buffers: a part reused
     bigger = decoder.decode([jpeg(photo(500, 400, 9))] + good[1:2])  # a buffer grows
-    assert [len(s.buffers) for s in sets] == [6] * len(sets) and bigger[0].shape == (500, 400, 3)
+    assert len(decoder._buffers) == 6 and bigger[0].shape == (500, 400, 3)
     assert torch.equal(bigger[1].cpu(), first[1])  # the same JPEG decodes the same through a reused buffer
-    # Views handed out stay intact while the next BUFFER_SETS - 1 decodes run, and decode again the same.
-    views = decoder.decode(good[:3])
-    want = [v.clone() for v in views]
-    for _ in range(dd.BUFFER_SETS - 1):
-        decoder.decode(good[3:6])
-    assert all(torch.equal(v, w) for v, w in zip(views, want))
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(decoder.decode(good[:2]), first))
     garbled = bytearray(good[3])
     start = garbled.index(b"\xff\xda") + 40
     garbled[start:start + 200] = bytes(200)

@@ -42,10 +42,6 @@ log = logging.getLogger(__name__)
 CHOICES = ("auto", "pil", "nvimgcodec")
 MAX_PIXELS = 4096 * 4096  # larger JPEGs are decoded by PIL: a batch of them would take GBs of device memory
 CHUNK_BYTES = 256 << 20  # decoded bytes one decode call may produce; a batch past it is decoded in parts
-# nvImageCodec's output buffers go round this many sets: a set is written again only three decode calls
-# after the caller's work on its images was queued, long done by then (the worker waits for the batch before
-# last), so reusing one never waits; its images are handed out as they are, without a copy.
-BUFFER_SETS = 3
 # libjpeg-turbo (PIL) upsamples chroma with a triangle filter; nvJPEG duplicates samples unless asked.
 OPTIONS = ":fancy_upsampling=1"
 EOI = b"\xff\xd9"
@@ -125,57 +121,6 @@ def frame(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-class BufferSet:
-    """One decode call's nvImageCodec images: `buffers` to decode into next time (at most `keep_bytes` of
-    capacity), `held` every image of the call (the caller's views of them stay valid while they are held),
-    and `consumed`, an event on the caller's stream after the work it queued on them."""
-
-    def __init__(self):
-        self.buffers: list = []
-        self.held: list = []
-        self.consumed = None
-
-    def keep(self, decoded: list, keep_bytes: int) -> None:
-        """After a decode into (some of) `buffers`: hold every image made, and keep for reuse those and the
-        buffers not used this time, up to `keep_bytes` of capacity (a buffer keeps its largest size)."""
-        made = [image for image in decoded if image is not None]
-        pool = made + [b for b in self.buffers[len(made):] if all(b is not m for m in made)]
-        self.held, self.buffers, kept = made, [], 0
-        for buffer in pool:
-            kept += buffer.capacity
-            if kept > keep_bytes:
-                break
-            self.buffers.append(buffer)
-
-
-class BufferRing:
-    """`BUFFER_SETS` sets of decode buffers taken in turn. Taking a set marks the caller's stream on the set
-    taken last (its images' work is queued by then), and waits on the host for the caller's work on the set
-    now taken, queued `sets` calls ago: done long since, so the wait costs a query. Its images may then be
-    written again, or freed. Before the ring, every image was copied out of nvImageCodec's buffers on the
-    decode stream (a clone, a record_stream, and a host wait for the last batch's copies per decode):
-    a fifth of the worker's busy time for SigLIP on the H200 host, in py-spy."""
-
-    def __init__(self, event, sets: int = BUFFER_SETS, keep_bytes: int = CHUNK_BYTES):
-        self.event = event  # () -> a CUDA event (torch.cuda.Event; a stand-in in tests)
-        self.sets = [BufferSet() for _ in range(sets)]
-        self.keep_bytes = keep_bytes // sets  # the ring holds no more for reuse than one set used to
-        self._turn = 0
-        self._last: BufferSet | None = None
-
-    def take(self, caller) -> BufferSet:
-        if self._last is not None:
-            self._last.consumed = self.event()
-            self._last.consumed.record(caller)
-        taken = self.sets[self._turn]
-        self._turn = (self._turn + 1) % len(self.sets)
-        if taken.consumed is not None:
-            taken.consumed.synchronize()
-            taken.consumed = None
-        self._last = taken
-        return taken
-
-
 class NvJpegDecoder:
     """Batched JPEG decoding with nvImageCodec on one CUDA device, on a stream of its own; the caller's
     current stream waits for the results."""
@@ -196,7 +141,8 @@ class NvJpegDecoder:
         self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB)
         # nvImageCodec's output buffers, handed back for reuse: a fresh one per image would be an
         # allocation and a free on the device for every image of every batch.
-        self._ring = BufferRing(torch.cuda.Event)
+        self._buffers: list = []
+        self._copied: torch.cuda.Event | None = None  # recorded after the last batch's copies out of them
         # Decoding runs on a stream of its own. On the caller's stream it waited for the forward queued
         # there before it, and the worker's calls into nvImageCodec (decode, then __dlpack__) blocked until
         # then: 62 % of the worker's time in a py-spy profile under load, the GPU 60 % busy.
@@ -207,22 +153,18 @@ class NvJpegDecoder:
                                f"pip install nvidia-nvjpeg)")
 
     def decode(self, jpegs: Sequence[bytes]) -> list[torch.Tensor | None]:
-        """Each JPEG as an (H, W, 3) uint8 tensor, ready for work queued on the caller's current stream after
-        this call; None where nvImageCodec could not decode it. The tensors are nvImageCodec's own buffers:
-        the caller queues its work on them (copies, resizes) before its next `BUFFER_SETS - 1` decode calls
-        and keeps no view of them past that."""
+        """Each JPEG as an (H, W, 3) uint8 tensor of the caller's own, ready for work queued on the caller's
+        current stream after this call; None where nvImageCodec could not decode it."""
         if not jpegs:
             return []
         caller = torch.cuda.current_stream(self.device)
-        buffers = self._ring.take(caller)
         with torch.cuda.stream(self._stream):
-            out = self._decode(jpegs, buffers)
-            decoded = torch.cuda.Event()
-            decoded.record(self._stream)
-        caller.wait_event(decoded)  # the caller's next work waits for the decode, on the GPU only
+            out = self._decode(jpegs, caller)
+        caller.wait_event(self._copied)  # the caller's next work waits for the copies, on the GPU only
         return out
 
-    def _decode(self, jpegs: Sequence[bytes], buffers: BufferSet) -> list[torch.Tensor | None]:
+    def _decode(self, jpegs: Sequence[bytes], caller: torch.cuda.Stream) -> list[torch.Tensor | None]:
+        stream = self._stream
         streams, where = [], []
         for i, data in enumerate(jpegs):
             try:
@@ -232,14 +174,26 @@ class NvJpegDecoder:
                 log.debug("nvImageCodec cannot read JPEG %d of the batch: %s", i, e)
         images: list = [None] * len(jpegs)
         if streams:
-            reuse = buffers.buffers[:len(streams)] if len(buffers.buffers) >= len(streams) else None
+            reuse = self._buffers[:len(streams)] if len(self._buffers) >= len(streams) else None
+            if reuse is not None and self._copied is not None:
+                # The last batch's copies out of these buffers must be done before they are written again;
+                # nvImageCodec is given the stream, but that it orders its writes after the stream's work is
+                # not documented. The wait is for the last batch's preprocessing, not its forward.
+                self._copied.synchronize()
             try:
                 decoded = self._decoder.decode(streams, images=reuse, params=self._params,
-                                               cuda_stream=self._stream.cuda_stream)
+                                               cuda_stream=stream.cuda_stream)
             except Exception as e:  # noqa: BLE001 - the whole call failed: PIL decodes the batch's JPEGs
                 log.warning("nvImageCodec failed on a batch of %d JPEGs (%s); PIL decodes them", len(streams), e)
                 decoded = [None] * len(streams)
-            buffers.keep(decoded, self._ring.keep_bytes)
+            pool = [image for image in decoded if image is not None]
+            pool += [b for b in self._buffers[len(streams):] if all(b is not p for p in pool)]
+            self._buffers, kept = [], 0
+            for buffer in pool:  # a buffer keeps its largest size: keep at most CHUNK_BYTES of them
+                kept += buffer.capacity
+                if kept > CHUNK_BYTES:
+                    break
+                self._buffers.append(buffer)
             for i, image in zip(where, decoded):
                 images[i] = image
         out: list[torch.Tensor | None] = []
@@ -250,13 +204,19 @@ class NvJpegDecoder:
             try:
                 if image.buffer_kind != self._codec.ImageBufferKind.STRIDED_DEVICE:
                     image = image.cuda()  # a CPU backend took it (not in BACKENDS, but nvImageCodec decides)
-                    buffers.held.append(image)
                 pixels = torch.from_dlpack(image)  # synchronised with the decode stream (the current one)
+                if pixels.ndim != 3 or pixels.shape[2] != 3:
+                    out.append(None)
+                    continue
+                pixels = pixels.clone()
             except Exception as e:  # noqa: BLE001 - e.g. out of device memory: PIL decodes this one
                 log.warning("could not take a decoded JPEG off nvImageCodec (%s); PIL decodes it", e)
                 out.append(None)
                 continue
-            out.append(pixels if pixels.ndim == 3 and pixels.shape[2] == 3 else None)
+            pixels.record_stream(caller)  # made here, used and freed on the caller's stream
+            out.append(pixels)
+        self._copied = torch.cuda.Event()
+        self._copied.record(stream)
         return out
 
 
