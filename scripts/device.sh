@@ -126,11 +126,8 @@ for name in "$@"; do
             grep "mean ms\|busiest" "$OUT/encode-load.log" ;;
         encode-load-before)  # the same load on the code before issue 18 (.before: `git archive 8dcd57d`, carried)
             old_tree .before encode-load-before ;;
-        encode-prev-ab)  # SigLIP and Whisper on this tree and on the commit before it (.prev: `git archive HEAD~1`)
-            step encode-now 110 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 640
-            old_tree .prev encode-prev --only siglip,whisper --requests 640
-            grep -h "mean ms" "$OUT/encode-now.log" "$OUT/encode-prev.log" ;;
-        encode-ab)  # SigLIP and Whisper on this tree, then on each earlier tree carried (.mid, .prev: `git archive REV`)
+        encode-ab|encode-prev-ab)  # SigLIP and Whisper on this tree, then on each earlier tree carried (.mid,
+            # .prev: `git archive REV`); encode-prev-ab was its name with .prev alone
             step encode-now 200 python3 bench/encode_load.py --only siglip,whisper --no-tower --requests 1024
             for dir in .mid .prev; do
                 [ -d "$dir" ] && old_tree "$dir" "encode-${dir#.}" --only siglip,whisper --requests 1024
