@@ -17,10 +17,11 @@ averaged 14-16 images, and an image's share of its batch's span on the stream fe
 2.71 to 2.45 ms with a graph per size (SigLIP through the service 330.6 -> 367.1 img/s in
 one run). Whisper's batches were mostly full (16), and it did not change. The cost is at
 start-up: every size is warmed up, captured and replayed once (SigLIP 44 sizes, Whisper 20;
-about 6 s more a service on the H200, read off the bench steps' durations). Each graph writes its output into one buffer of the largest size, so the graphs' memory does not
-grow with their number (their intermediates share one pool, captured largest first); the
-real rows are copied out of it, or read before the next replay overwrites it. A batch larger
-than the largest graph runs eagerly. When capture fails (an attention kernel that cannot be
+about 6 s more a service on the H200, read off the bench steps' durations). Each graph
+writes its output into one buffer of the largest size, so the graphs' memory does not grow
+with their number (their intermediates share one pool, captured largest first); the real
+rows are copied out of it, or read before the next replay overwrites it. A batch larger than
+the largest graph runs eagerly. When capture fails (an attention kernel that cannot be
 captured, say), the tower runs eagerly and the reason is logged.
 """
 
