@@ -149,7 +149,7 @@ def tower_only(case: Case, ckpt: Path, device: torch.device, dtype: torch.dtype,
 
 
 async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: int, device, *,
-                service_pid: int, readings, distinct: int = 0) -> dict:
+                service_pids: list[int], readings, distinct: int = 0) -> dict:
     """`distinct` > 0: only the first `distinct` items, over and over (after the warm-up round, every call
     is an encoder cache hit: the RPC and transfer path without the model). The service's threads' CPU use
     is sampled over the load beside this process's; `readings` is called with no argument just before
@@ -196,7 +196,7 @@ async def drive(target: str, modality: int, work: list[pb.EncodeItem], clients: 
             times.clear()
         next_item = iter(range(warm, len(work)))
         before = readings()
-        sampler = ThreadCpu([os.getpid(), service_pid])
+        sampler = ThreadCpu([os.getpid(), *service_pids])
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.perf_counter() - start
@@ -251,11 +251,17 @@ STAGES = ("prepare", "batch", "device", "respond")
 PHASES = ("launch", "wait", "idle", "device")  # of the worker's batches (modalmesh_encoder_batch_seconds)
 
 
-def service_sums(proc: ServiceProcess) -> dict[tuple[str, str], float]:
-    """(name, stage) -> value so far, for the _sum and _count of the service's batch sizes, Encode stages
-    and Encode call time."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+def service_sums(procs: list[ServiceProcess]) -> dict[tuple[str, str], float]:
+    """(name, stage) -> value so far, for the _sum and _count of the services' batch sizes, Encode stages
+    and Encode call time (summed over the replicas)."""
     sums: dict[tuple[str, str], float] = {}
+    for proc in procs:
+        _add_sums(sums, urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics",
+                                               timeout=10).read().decode())
+    return sums
+
+
+def _add_sums(sums: dict[tuple[str, str], float], body: str) -> None:
     for family in text_string_to_metric_families(body):
         for s in family.samples:
             if not s.name.endswith(("_sum", "_count")):
@@ -266,7 +272,6 @@ def service_sums(proc: ServiceProcess) -> dict[tuple[str, str], float]:
                     and s.labels.get("rpc", "").endswith("Encode")):
                 key = (s.name, s.labels.get("stage", s.labels.get("phase", "")))
                 sums[key] = sums.get(key, 0.0) + s.value
-    return sums
 
 
 def delta(before: dict, after: dict, sample: str, label: str = "") -> float:
@@ -293,7 +298,7 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the service below gets the GPU's memory back
     modality = pb.AUDIO if case.service == "audio_encoder" else pb.IMAGE
-    rows, proc = [], None
+    rows, procs = [], []
     try:
         for name, extra in args.variants:
             row = {"case": case.name, "variant": name, "unit": case.unit, "target": case.target,
@@ -301,17 +306,23 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
             client = {k.removeprefix("@"): int(v) for k, _, v in (f.partition("=") for f in extra if f.startswith("@"))}
             extra = [f for f in extra if not f.startswith("@")]
             receive = torch.device("cpu") if client.pop("cpu", 0) else device
+            replicas = client.pop("replicas", 1)
             flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt),
                      "--dummy-weights", *extra]  # the service's own defaults: what a user gets
             flags += ["--device", "cpu"] if device.type == "cpu" else ["--dtype", str(dtype).removeprefix("torch.")]
-            if proc is not None:
+            for proc in procs:
                 proc.terminate(timeout=60)
-            proc = ServiceProcess(case.service, flags).start()
-            proc.wait_listening(600)
-            proc.wait_serving(timeout=900)
-            print(f"{case.name} [{name}]: serving at {proc.target}; load starts", flush=True)
-            row.update(asyncio.run(drive(proc.target, modality, work, args.clients, receive,
-                                         service_pid=proc.proc.pid, readings=lambda: service_sums(proc), **client)))
+            # Replicas on the same device, behind the client's round_robin channel (as the LLM takes a pool).
+            procs = [ServiceProcess(case.service, flags).start() for _ in range(replicas)]
+            for proc in procs:
+                proc.wait_listening(600)
+                proc.wait_serving(timeout=900)
+            target = procs[0].target if replicas == 1 else "ipv4:" + ",".join(p.target for p in procs)
+            print(f"{case.name} [{name}]: serving at {target}; load starts", flush=True)
+            row.update(asyncio.run(drive(target, modality, work, args.clients, receive,
+                                         service_pids=[p.proc.pid for p in procs],
+                                         readings=lambda: service_sums(procs), **client)))
+            row["replicas"] = replicas
             before, after = row.pop("readings")
             row["mean_batch"] = mean_between(before, after, "modalmesh_batch_size")
             row["server_ms"] = mean_between(before, after, "modalmesh_request_duration_seconds") * 1e3
@@ -326,15 +337,15 @@ def run_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list
             row["service_vs_tower"] = row["items_s"] / tower
             rows.append(row)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate(timeout=60)
     return rows
 
 
 def variant(text: str) -> tuple[str, list[str]]:
     """NAME=FLAGS (FLAGS split on spaces), e.g. "window8=--batch-window-ms=8". Flags starting with @ are the
-    load's own: @distinct=K (cache hits), @cpu=1 (embeddings to the CPU). Each variant
-    starts its own service."""
+    load's own: @distinct=K (cache hits), @cpu=1 (embeddings to the CPU), @replicas=K (K services on the same
+    device behind one round_robin target). Each variant starts its own services."""
     name, sep, flags = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME=FLAGS")

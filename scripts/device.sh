@@ -12,6 +12,8 @@
 #   bash scripts/device.sh encode-diag profile-graphed encode-graphs-ab ipc-probe  # issue 18, where the time goes
 #   bash scripts/device.sh encoder-tests vision-bench encode-decode-ab   # issue 18, JPEGs decoded on the GPU
 #   bash scripts/device.sh encoder-tests encode-load encode-ab   # issue 18, graph per batch size (.prev, .mid carried)
+#   bash scripts/device.sh encode-replicas profile-graphed   # issue 18, sixth round: one service's process the cap?
+#   (then whisper-replicas)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -133,6 +135,16 @@ for name in "$@"; do
                 [ -d "$dir" ] && old_tree "$dir" "encode-${dir#.}" --only siglip,whisper --requests 1024
             done
             grep -h "mean ms\|img/s\|clip/s" "$OUT"/encode-*.log ;;
+        encode-replicas)  # one service against two (and three) on the same GPU behind one round_robin target
+            gpu_util_start
+            step siglip-replicas 300 python3 bench/encode_load.py --only siglip --no-tower --requests 2048 \
+                --variant one= --variant "two=@replicas=2" --variant "three=@replicas=3"
+            gpu_util_stop
+            grep -h "mean ms\|img/s\|batches, mean" "$OUT"/siglip-replicas.log ;;
+        whisper-replicas)
+            step whisper-replicas 200 python3 bench/encode_load.py --only whisper --no-tower --requests 768 \
+                --variant one= --variant "two=@replicas=2"
+            grep -h "mean ms\|clip/s\|batches, mean" "$OUT"/whisper-replicas.log ;;
         encode-graphs-ab)  # the towers replayed from CUDA graphs against --enforce-eager, the same inputs
             step encode-graphs-ab 200 python3 bench/encode_load.py --only siglip,whisper --no-tower \
                 --variant graphs= --variant eager=--enforce-eager ;;
@@ -181,6 +193,8 @@ for name in "$@"; do
                 -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
             timeout 60 tail --pid "$load" -f /dev/null
             echo "== $name"; grep -c . "$P"/*.txt; grep "RESULT\|mean ms" "$P/load.log"
+            python3 scripts/pyspy_summary.py "$P"/idle.txt "$P"/gil.txt "$P"/client-idle.txt --top 15 \
+                >"$OUT/$name-summary.txt" 2>&1
             tar czf "$OUT/$name.tgz" -C "$OUT" prof && rm -rf "$P" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
