@@ -289,7 +289,7 @@ class _FakeIpcReader:
         self.error = error
         self.reads = 0
 
-    def read(self, message, *, name, device):
+    def start(self, message, *, name, device):
         self.reads += 1
         raise self.error
 
@@ -334,25 +334,57 @@ def test_a_failed_cuda_ipc_answer_is_asked_again_by_shared_memory(tmp_path, erro
     assert get("modalmesh_transfer_bytes_total", {**labels, "path": "cuda_ipc"}) is None
 
 
-def test_both_ends_of_a_cuda_ipc_handoff_run_on_the_transfer_stream(tmp_path, monkeypatch):
-    """torch records the reader's IPC event on the exporter's current stream, and makes the reader's current
-    stream wait for it when the handle opens. Shared from the compute stream, the event was reached only
-    after the batches queued since; opened on the caller's stream, the LLM engine's stream waited for them.
-    Both now run inside the transfer stream's context (faked here: where CUDA is absent)."""
+class _FakeStream:
+    def __init__(self, name):
+        self.name, self.waited = name, []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+class _NeverWaitedFor:
+    """A batch's `ready` event that no host may wait for."""
+
+    def synchronize(self):
+        raise AssertionError("the host waited for the batch")
+
+    def query(self):
+        raise AssertionError("the host asked whether the batch is done")
+
+
+def _fake_streams(monkeypatch):
+    """cuda_ipc's streams and torch.cuda.stream faked (no CUDA here): returns (current, ipc)."""
     import contextlib
 
     from modalmesh.rpc import cuda_ipc
 
-    current = ["compute"]
+    current, ipc = ["compute"], _FakeStream("ipc")
 
     @contextlib.contextmanager
     def stream(s):
-        before, current[0] = current[0], s
+        before, current[0] = current[0], getattr(s, "name", s)
         try:
             yield
         finally:
             current[0] = before
 
+    monkeypatch.setattr(cuda_ipc, "transfer_stream", lambda device: "transfer")
+    monkeypatch.setattr(cuda_ipc, "ipc_stream", lambda device: ipc)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "stream", stream)
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "_lazy_init", lambda: None)
+    return current, ipc
+
+
+def test_a_cuda_ipc_export_is_ordered_after_its_batch_on_the_gpu_not_waited_for(tmp_path, monkeypatch):
+    """torch records the reader's IPC event on the exporter's current stream, and makes the reader's current
+    stream wait for it when the handle opens. The export shares on the IPC stream after making it wait for
+    the batch's `ready` event: the answer goes out while the batch runs, and the reader's copy waits for
+    it on the GPU. Before, the event loop synchronized on `ready` first (and then shared on the transfer
+    stream). Shared from the compute stream, the event would be reached only after the batches queued
+    since; the reader opens on the IPC stream too, never the caller's (the LLM engine's)."""
+    from modalmesh.rpc import cuda_ipc
+
+    current, ipc = _fake_streams(monkeypatch)
     seen = {}
 
     def share(tensor):
@@ -363,10 +395,7 @@ def test_both_ends_of_a_cuda_ipc_handoff_run_on_the_transfer_stream(tmp_path, mo
         seen["open"] = current[0]
         raise RuntimeError("no CUDA here: the stream it opened on is all this test asks")
 
-    monkeypatch.setattr(cuda_ipc, "transfer_stream", lambda device: "transfer")
     monkeypatch.setattr(cuda_ipc, "share", share)
-    monkeypatch.setattr(cuda_ipc.torch.cuda, "stream", stream)
-    monkeypatch.setattr(cuda_ipc.torch.cuda, "_lazy_init", lambda: None)
     monkeypatch.setattr(cuda_ipc.torch.UntypedStorage, "_new_shared_cuda", new_shared_cuda, raising=False)
 
     class DeviceTensor:  # what export asks of a CUDA tensor
@@ -375,15 +404,151 @@ def test_both_ends_of_a_cuda_ipc_handoff_run_on_the_transfer_stream(tmp_path, mo
         def is_contiguous(self):
             return True
 
-    exporter = ShmExporter(directory=tmp_path)
+    exporter, ready = ShmExporter(directory=tmp_path), _NeverWaitedFor()
     try:
-        ref = cuda_ipc.CudaIpcExporter(exporter).export(pb.Tensor(dtype=pb.FLOAT32, shape=[2]), DeviceTensor())
+        ref = cuda_ipc.CudaIpcExporter(exporter).export(pb.Tensor(dtype=pb.FLOAT32, shape=[2]), DeviceTensor(),
+                                                       ready)
         assert ref is not None and ref.HasField("cuda_ipc")
         with pytest.raises(RuntimeError, match="no CUDA here"):
             cuda_ipc.copy_shared(pb.CudaIpcRef(nbytes=8), torch.device("cuda", 0))
     finally:
         exporter.close()
-    assert seen == {"share": "transfer", "open": "transfer"} and current == ["compute"]
+    assert seen == {"share": "ipc", "open": "ipc"} and ipc.waited == [ready] and current == ["compute"]
+
+
+def test_a_read_lets_go_of_the_producers_memory_on_the_transfer_stream_then_hands_the_lease_back(monkeypatch):
+    """torch synchronizes the current stream when a mapped storage is freed: on the IPC stream that would wait
+    for copies queued behind other batches still running, so the mapping is dropped on the transfer stream;
+    the lease is handed back after it (the producer may then let the memory go)."""
+    from modalmesh.rpc import cuda_ipc
+
+    current, _ = _fake_streams(monkeypatch)
+    order = []
+
+    class Mapping:
+        def __del__(self):
+            order.append(("closed", current[0]))
+
+    class Leases:
+        def hand_back(self, lease, name):
+            order.append(("handed back", current[0]))
+
+    pending = cuda_ipc.PendingCopy(torch.empty(2), _NeverWaitedFor(), Mapping(), pb.SharedMemoryRef(), "items[0]")
+    cuda_ipc.CudaIpcReader(Leases()).finish(pending)
+    assert order == [("closed", "transfer"), ("handed back", "compute")] and pending.storage is None
+
+
+class _QueuedCopy:
+    """CudaIpcReader.start's part, faked: the copy stays queued (its event running) until `finish()`."""
+
+    def __init__(self):
+        self.copy, self.finished = _RunningBatch(), []
+
+    def start(self, message, *, name, device):
+        from modalmesh.rpc.cuda_ipc import PendingCopy
+
+        return PendingCopy(torch.arange(2.0), self.copy, object(), message.cuda_ipc.lease, name)
+
+    def finish(self, pending):
+        assert pending.copied.done.is_set(), "let go of the producer's memory while the copy may read it"
+        self.finished.append(pending.name)
+
+
+def _ipc_message():
+    return pb.Tensor(dtype=pb.FLOAT32, shape=[2], cuda_ipc=pb.CudaIpcRef(nbytes=8))
+
+
+def test_a_cuda_ipc_read_awaits_its_copy_off_the_event_loop():
+    """The copy waits on the GPU for the producer's batch; the reader's event loop goes on meanwhile (before,
+    `synchronize` held it: 36 % of the client's loop on the H200) and the mapping is let go once it is done."""
+    from modalmesh.rpc.transfer import EmbeddingReceiver
+
+    receiver = EmbeddingReceiver(device=torch.device("cpu"))
+    receiver._ipc_reader = fake = _QueuedCopy()
+
+    async def body():
+        read = asyncio.create_task(receiver.take(_ipc_message(), None, name="items[0]"))
+        ticks = 0
+        for _ in range(10):  # the loop keeps running while the copy is queued
+            await asyncio.sleep(0.005)
+            ticks += 1
+        assert not read.done() and fake.finished == []
+        fake.copy.finish()
+        return ticks, await read
+
+    try:
+        ticks, tensor = asyncio.run(asyncio.wait_for(body(), 30))
+    finally:
+        receiver.close()
+    assert ticks == 10 and torch.equal(tensor, torch.arange(2.0)) and fake.finished == ["items[0]"]
+    assert fake.copy.synchronized == 1  # by the waiter thread
+
+
+def test_a_cancelled_cuda_ipc_read_lets_go_of_the_memory_only_once_its_copy_is_done():
+    from modalmesh.rpc.transfer import EmbeddingReceiver
+
+    receiver = EmbeddingReceiver(device=torch.device("cpu"))
+    receiver._ipc_reader = fake = _QueuedCopy()
+
+    async def body():
+        read = asyncio.create_task(receiver.take(_ipc_message(), None, name="items[0]"))
+        await asyncio.sleep(0.01)
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        assert fake.finished == []  # the copy is still queued: the mapping stays open
+        fake.copy.finish()
+        for _ in range(200):
+            if fake.finished:
+                break
+            await asyncio.sleep(0.005)
+        return fake.finished
+
+    try:
+        assert asyncio.run(asyncio.wait_for(body(), 30)) == ["items[0]"]
+    finally:
+        receiver.close()
+
+
+def test_answers_by_cuda_ipc_go_out_while_their_batch_runs_and_the_others_wait_for_it(tmp_path):
+    """A reply of CUDA IPC answers alone is sent with the batch still running (the fake event would fail the
+    test if waited for); a reply with an answer that must be copied through the host waits for the batch."""
+
+    class FakeIpc:
+        def export(self, meta, tensor, ready):
+            return pb.Tensor(dtype=meta.dtype, shape=meta.shape, cuda_ipc=pb.CudaIpcRef(nbytes=1))
+
+    class DeviceTensor:  # 2 MiB of bf16 on a GPU (none here)
+        device = torch.device("cuda", 0)
+
+        def numel(self):
+            return 1 << 20
+
+        def element_size(self):
+            return 2
+
+    exporter, probe = ShmExporter(directory=tmp_path), ShmProbe(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sender = EmbeddingSender(shm=exporter, executor=pool)
+            sender.ipc = FakeIpc()
+            options = probe.options()
+            options.cuda_ipc = True
+            on_gpu = Answer(pb.Embedding(embedding=pb.Tensor(dtype=pb.BFLOAT16, shape=[1024, 1024])), DeviceTensor(),
+                            _NeverWaitedFor())
+            reply, _ = _respond(sender, [on_gpu, on_gpu], options)
+            assert all(e.embedding.HasField("cuda_ipc") for e in reply.embeddings)
+            batch = _RunningBatch()
+            small = _answer(torch.randn(4, 8), batch)  # under the IPC floor: shared memory, after the batch
+            mixed = sender.plan([Answer(on_gpu.meta, on_gpu.tensor, batch), small], options)
+            assert mixed.refs[0] is not None and mixed.refs[1] is None and mixed.waiting == [small]
+            batch.finish()
+            reply, _ = _respond(sender, [small], options)
+            assert reply.embeddings[0].embedding.HasField("shared_memory") and batch.synchronized + batch.queried
+            sender.close()
+    finally:
+        probe.close()
+        exporter.close()
 
 
 def test_awaiters_of_one_event_on_two_loops_each_get_their_own_wake_up():
@@ -408,3 +573,37 @@ def test_awaiters_of_one_event_on_two_loops_each_get_their_own_wake_up():
         assert asyncio.run(second()) is True  # woken, having waited
     finally:
         waiter.close()
+
+
+def test_the_ipc_exporter_lets_go_of_tensors_whose_leases_came_back_oldest_first(tmp_path, monkeypatch):
+    """The oldest leases are looked at until a live one; with many held, all of them (one never handed
+    back must not keep the later ones to its TTL)."""
+    from modalmesh.rpc import cuda_ipc
+
+    _fake_streams(monkeypatch)
+    monkeypatch.setattr(cuda_ipc, "share", lambda tensor: pb.CudaIpcRef(nbytes=8))
+    monkeypatch.setattr(cuda_ipc.torch.cuda, "ipc_collect", lambda: None)
+
+    class DeviceTensor:
+        device = torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    exporter, reader = ShmExporter(directory=tmp_path), ShmReader(directory=tmp_path)
+    try:
+        ipc = cuda_ipc.CudaIpcExporter(exporter)
+        refs = [ipc.export(pb.Tensor(dtype=pb.FLOAT32, shape=[2]), DeviceTensor()).cuda_ipc.lease for _ in range(3)]
+        for lease in refs[1:]:
+            reader.hand_back(lease)
+        assert ipc.held == 3  # the oldest is still read: the later ones wait for it
+        reader.hand_back(refs[0])
+        assert ipc.held == 0
+        monkeypatch.setattr(cuda_ipc, "FULL_SCAN_HELD", 2)
+        refs = [ipc.export(pb.Tensor(dtype=pb.FLOAT32, shape=[2]), DeviceTensor()).cuda_ipc.lease for _ in range(4)]
+        for lease in refs[1:]:
+            reader.hand_back(lease)
+        assert ipc.held == 1  # past the bound: every lease looked at
+    finally:
+        reader.close()
+        exporter.close()

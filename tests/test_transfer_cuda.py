@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from modalmesh import pb
 from modalmesh.metrics import Metrics
 from modalmesh.ops.launcher import ServiceProcess
-from modalmesh.rpc.shm import SHM_DIR, ShmProbe, shm_available
+from modalmesh.rpc.shm import SHM_DIR, ShmExporter, ShmProbe, shm_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not shm_available(),
                                 reason="needs CUDA and a writable /dev/shm")
@@ -66,3 +66,60 @@ def test_an_embedding_read_through_cuda_ipc_equals_the_bytes_path_and_its_lease_
         assert _metric(vision, "modalmesh_transfer_bytes_total", direction="sent", path="grpc") == nbytes
     finally:
         vision.terminate(timeout=60)
+
+
+_ROWS = 1 << 20  # 4 MiB of float32
+
+
+def _produce_while_the_batch_runs(conn, directory: str) -> None:
+    """Another process's answer, exported while the batch that makes it still runs on the GPU."""
+    from pathlib import Path
+
+    from modalmesh.rpc.cuda_ipc import CudaIpcExporter
+
+    exporter = ShmExporter(directory=Path(directory))
+    try:
+        out = torch.empty(_ROWS, device="cuda")
+        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clock cycles before the answer is made
+        out.copy_(torch.arange(_ROWS, device="cuda", dtype=torch.float32))
+        ready = torch.cuda.Event()
+        ready.record()
+        ref = CudaIpcExporter(exporter).export(pb.Tensor(dtype=pb.FLOAT32, shape=[_ROWS]), out, ready)
+        conn.send((ref.SerializeToString(), ready.query()))
+        conn.recv()  # the reader is done
+        torch.cuda.synchronize()
+    finally:
+        exporter.close()
+
+
+def test_a_cuda_ipc_answer_sent_while_its_batch_runs_is_read_only_once_the_batch_is_done(tmp_path):
+    """The export orders torch's IPC event after the batch on the GPU and the reader's copy waits for it
+    there: no host waits, and the reader still gets the finished answer, not the memory before it."""
+    import multiprocessing
+
+    from modalmesh.rpc.cuda_ipc import CudaIpcReader
+    from modalmesh.rpc.shm import ShmReader
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    producer = ctx.Process(target=_produce_while_the_batch_runs, args=(child, str(tmp_path)))
+    producer.start()
+    try:
+        assert parent.poll(300), "the producer sent nothing"
+        wire, done_when_sent = parent.recv()
+        assert not done_when_sent  # the answer went out with its batch still running
+        message = pb.Tensor.FromString(wire)
+        reader = CudaIpcReader(ShmReader(directory=tmp_path))
+        pending = reader.start(message, name="items[0]", device=torch.device("cuda"))
+        pending.copied.synchronize()
+        reader.finish(pending)
+        assert torch.equal(pending.tensor.cpu(), torch.arange(_ROWS, dtype=torch.float32))
+        lease = message.cuda_ipc.lease
+        words = (tmp_path / lease.name).read_bytes()
+        assert int.from_bytes(words[8:16], "little") == lease.lease  # handed back
+        parent.send("done")
+        producer.join(60)
+        assert producer.exitcode == 0
+    finally:
+        if producer.is_alive():
+            producer.kill()

@@ -24,6 +24,7 @@ import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import torch
 
@@ -93,15 +94,27 @@ class EmbeddingSender:
     def shares_memory(self, options: pb.TransferOptions | None) -> bool:
         return self.shm is not None and options is not None and self.shm.peer_shares(options)
 
-    async def respond(self, response: pb.EncodeResponse, answers: Sequence,
-                      options: pb.TransferOptions | None) -> pb.EncodeResponse | bytes:
-        """`response` with `answers` in it, or its wire bytes when bytes travel in it (one copy of them,
-        spliced in by modalmesh.rpc.wire rather than protobuf's two)."""
+    def plan(self, answers: Sequence, options: pb.TransferOptions | None) -> "Outgoing":
+        """How `answers` will travel to the caller of `options`. Answers that go by CUDA IPC are exported here,
+        their batch still running: the reader's copy waits for it on the GPU (modalmesh.rpc.cuda_ipc). The
+        others (`Outgoing.waiting`) must wait for their batch (`ready`) before `send`."""
         shared = self.shares_memory(options)
         ipc = shared and self.ipc is not None and options.cuda_ipc
-        await self.ready(answers)
-        return await _copying(sum(nbytes(a.tensor) for a in answers), self._respond, response, answers, shared, ipc,
+        refs = [self._export_ipc(a) if ipc else None for a in answers]
+        return Outgoing(list(answers), refs, shared, [a for a, ref in zip(answers, refs) if ref is None])
+
+    async def send(self, response: pb.EncodeResponse, outgoing: "Outgoing") -> pb.EncodeResponse | bytes:
+        """`response` with the answers in it, or its wire bytes when bytes travel in it (one copy of them,
+        spliced in by modalmesh.rpc.wire rather than protobuf's two). `outgoing.waiting` must be `ready`."""
+        return await _copying(sum(nbytes(a.tensor) for a in outgoing.waiting), self._respond, response, outgoing,
                               executor=self.executor)
+
+    async def respond(self, response: pb.EncodeResponse, answers: Sequence,
+                      options: pb.TransferOptions | None) -> pb.EncodeResponse | bytes:
+        """`plan`, `ready` and `send` in one."""
+        outgoing = self.plan(answers, options)
+        await self.ready(outgoing.waiting)
+        return await self.send(response, outgoing)
 
     async def ready(self, answers: Sequence) -> bool:
         """Return once every answer's batch has run on its device (True: one had not yet).
@@ -117,20 +130,17 @@ class EmbeddingSender:
     def close(self) -> None:
         self.waiter.close()
 
-    def _export(self, answer, shared: bool, ipc: bool) -> pb.Tensor | None:
-        """The answer's tensor by a same-host path, or None (bytes)."""
-        ref = None
-        if ipc and answer.tensor.device.type == "cuda" and nbytes(answer.tensor) >= CUDA_IPC_MIN_BYTES:
-            ref = self.ipc.export(answer.meta.embedding, answer.tensor, answer.ready)
-        if ref is None and shared:
-            ref = self.shm.export(answer.meta.embedding, answer.tensor, ready=answer.ready)
-        return ref
+    def _export_ipc(self, answer) -> pb.Tensor | None:
+        """The answer's GPU memory itself (no wait for its batch: see `respond`), or None (another path)."""
+        if answer.tensor.device.type == "cuda" and nbytes(answer.tensor) >= CUDA_IPC_MIN_BYTES:
+            return self.ipc.export(answer.meta.embedding, answer.tensor, answer.ready)
+        return None
 
-    def _respond(self, response: pb.EncodeResponse, answers: Sequence, shared: bool,
-                 ipc: bool = False) -> pb.EncodeResponse | bytes:
+    def _respond(self, response: pb.EncodeResponse, outgoing: "Outgoing") -> pb.EncodeResponse | bytes:
         sources: list = []
-        for a in answers:
-            ref = self._export(a, shared, ipc)
+        for a, ref in zip(outgoing.answers, outgoing.refs):
+            if ref is None and outgoing.shared:
+                ref = self.shm.export(a.meta.embedding, a.tensor, ready=a.ready)
             e = response.embeddings.add()
             e.CopyFrom(a.meta)
             if ref is not None:
@@ -163,6 +173,17 @@ class EmbeddingSender:
         return memoryview(buffer[:size].numpy())
 
 
+@dataclass
+class Outgoing:
+    """`EmbeddingSender.plan`'s answer: the answers, each one's CUDA IPC ref (or None), whether the caller
+    shares this host's memory, and the answers still to wait for before `send` (those without a ref)."""
+
+    answers: list
+    refs: list
+    shared: bool
+    waiting: list
+
+
 class AskAgain(Exception):
     """This answer's path failed: ask for the item again without `path` (the pool may have turned it off)."""
 
@@ -185,6 +206,8 @@ class EmbeddingReceiver:
         on_cuda = device is not None and torch.device(device).type == "cuda"
         self.cuda_ipc = on_cuda if cuda_ipc is None else (cuda_ipc and on_cuda)
         self._ipc_reader = None
+        self._copies = EventWaiter("ipc-copies")  # CUDA IPC copies, awaited off the event loop
+        self._finishing: set[asyncio.Task] = set()  # copies of cancelled reads, let go of once done
 
     def offer(self, request: pb.EncodeRequest, refused: set[str] = frozenset()) -> frozenset[str]:
         """Put the transfer options into `request`, leaving out `refused` paths; returns the paths offered."""
@@ -220,12 +243,32 @@ class EmbeddingReceiver:
 
             self._ipc_reader = CudaIpcReader(self.reader)
         try:
-            return await _copying(message.cuda_ipc.nbytes, self._ipc_reader.read, message, name=name, device=self.device)
+            # Queued on the GPU behind the producer's batch; the event loop goes on meanwhile.
+            pending = self._ipc_reader.start(message, name=name, device=self.device)
+            try:
+                await self._copies.wait(pending.copied)
+            except asyncio.CancelledError:
+                # The copy may still be reading the producer's memory: let go of it only once it is done.
+                task = asyncio.get_running_loop().create_task(self._finish_when_copied(pending))
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+                raise
+            except BaseException:
+                self._ipc_reader.finish(pending)
+                raise
+            self._ipc_reader.finish(pending)
+            return pending.tensor
         except (InvalidArgument, SharedMemoryGone) as exc:
             raise AskAgain(CUDA_IPC, f"{exc}; asking again without CUDA IPC") from None
         except (OSError, RuntimeError) as exc:
             self.cuda_ipc = False  # CUDA refused the handle: it would refuse the next one too
             raise AskAgain(CUDA_IPC, f"CUDA IPC answer unreadable ({exc}); not offering CUDA IPC from now on") from None
+
+    async def _finish_when_copied(self, pending) -> None:
+        try:
+            await self._copies.wait(pending.copied)
+        finally:
+            self._ipc_reader.finish(pending)
 
     async def _read_shared_memory(self, message: pb.Tensor, name: str) -> torch.Tensor:
         try:
@@ -239,4 +282,5 @@ class EmbeddingReceiver:
                                           "from now on") from None
 
     def close(self) -> None:
+        self._copies.close()
         self.reader.close()

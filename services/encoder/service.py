@@ -256,11 +256,13 @@ class EncoderService(Service):
                                      modality=self.modality)
         modality = pb.Modality.Name(self.modality).lower()
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
+        outgoing = self.sender.plan(out, request.transfer if request.HasField("transfer") else None)
         mark = time.perf_counter()
-        if await self.sender.ready(out) or misses:  # a hit may be an answer of a batch still running, too
-            stages["device"] = time.perf_counter() - mark
+        # Answers that go by CUDA IPC do not wait for their batch here: the reader's copy waits on the GPU.
+        if await self.sender.ready(outgoing.waiting) or (misses and outgoing.waiting):
+            stages["device"] = time.perf_counter() - mark  # a hit may be an answer of a batch still running, too
         mark = time.perf_counter()
-        answer = await self.sender.respond(response, out, request.transfer if request.HasField("transfer") else None)
+        answer = await self.sender.send(response, outgoing)
         stages["respond"] = time.perf_counter() - mark
         for stage, seconds in stages.items():
             self.metrics.encode_stage_seconds.labels(stage=stage).observe(seconds)
