@@ -293,6 +293,9 @@ class _FakeIpcReader:
         self.reads += 1
         raise self.error
 
+    def close(self):
+        pass
+
 
 @pytest.mark.parametrize("error, stays_on", [
     (RuntimeError("CUDA error: invalid resource handle"), False),  # CUDA refuses handles: off for the pool
@@ -416,26 +419,52 @@ def test_a_cuda_ipc_export_is_ordered_after_its_batch_on_the_gpu_not_waited_for(
     assert seen == {"share": "ipc", "open": "ipc"} and ipc.waited == [ready] and current == ["compute"]
 
 
-def test_a_read_lets_go_of_the_producers_memory_on_the_transfer_stream_then_hands_the_lease_back(monkeypatch):
-    """torch synchronizes the current stream when a mapped storage is freed: on the IPC stream that would wait
-    for copies queued behind other batches still running, so the mapping is dropped on the transfer stream;
-    the lease is handed back after it (the producer may then let the memory go)."""
+def test_a_read_keeps_its_producer_allocation_mapped_a_while_and_lets_go_on_the_transfer_stream(monkeypatch):
+    """The last storage read from each producer allocation is kept: while it lives torch keeps the allocation
+    mapped, so the next read from it opens and closes no handle (the close was 42 % of the client's busy
+    event loop on the H200). It goes when a later read of the same allocation replaces it, when unused for
+    `keep_s`, past `max_mapped`, or at close; always on the transfer stream (torch synchronizes the current
+    stream when it frees such a storage, and the IPC stream may hold copies waiting for other batches).
+    Each read's lease is handed back once it is done."""
     from modalmesh.rpc import cuda_ipc
 
     current, _ = _fake_streams(monkeypatch)
-    order = []
+    clock = [100.0]
+    monkeypatch.setattr(cuda_ipc.time, "monotonic", lambda: clock[0])
+    events = []
 
     class Mapping:
+        def __init__(self, name):
+            self.name = name
+
         def __del__(self):
-            order.append(("closed", current[0]))
+            events.append((f"freed {self.name}", current[0]))
 
     class Leases:
         def hand_back(self, lease, name):
-            order.append(("handed back", current[0]))
+            events.append((f"handed back {name}", current[0]))
 
-    pending = cuda_ipc.PendingCopy(torch.empty(2), _NeverWaitedFor(), Mapping(), pb.SharedMemoryRef(), "items[0]")
-    cuda_ipc.CudaIpcReader(Leases()).finish(pending)
-    assert order == [("closed", "transfer"), ("handed back", "compute")] and pending.storage is None
+    def read(name, handle):
+        pending = cuda_ipc.PendingCopy(torch.empty(2), _NeverWaitedFor(), Mapping(name), pb.SharedMemoryRef(), name,
+                                       handle)
+        reader.finish(pending)
+        assert pending.storage is None
+
+    reader = cuda_ipc.CudaIpcReader(Leases(), keep_s=1.0, max_mapped=2)
+    read("a1", b"A")
+    assert events == [("handed back a1", "compute")]  # kept mapped
+    read("a2", b"A")  # the same allocation: a1 goes, a2 keeps it mapped
+    read("b1", b"B")
+    read("c1", b"C")  # past max_mapped: the least recently read (A's) goes
+    assert events[1:] == [("freed a1", "transfer"), ("handed back a2", "compute"), ("handed back b1", "compute"),
+                          ("freed a2", "transfer"), ("handed back c1", "compute")]
+    clock[0] += 5  # B and C unused since: both go at the next read
+    del events[:]
+    read("d1", b"D")
+    assert events == [("freed b1", "transfer"), ("freed c1", "transfer"), ("handed back d1", "compute")]
+    del events[:]
+    reader.close()
+    assert events == [("freed d1", "transfer")] and current == ["compute"]
 
 
 class _QueuedCopy:
@@ -452,6 +481,9 @@ class _QueuedCopy:
     def finish(self, pending):
         assert pending.copied.done.is_set(), "let go of the producer's memory while the copy may read it"
         self.finished.append(pending.name)
+
+    def close(self):
+        pass
 
 
 def _ipc_message():

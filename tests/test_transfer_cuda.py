@@ -80,7 +80,7 @@ def _produce_while_the_batch_runs(conn, directory: str) -> None:
     exporter = ShmExporter(directory=Path(directory))
     try:
         out = torch.empty(_ROWS, device="cuda")
-        torch.cuda._sleep(1_000_000_000)  # about half a second of GPU clock cycles before the answer is made
+        torch.cuda._sleep(6_000_000_000)  # about three seconds of GPU clock cycles before the answer is made
         out.copy_(torch.arange(_ROWS, device="cuda", dtype=torch.float32))
         ready = torch.cuda.Event()
         ready.record()

@@ -283,4 +283,6 @@ class EmbeddingReceiver:
 
     def close(self) -> None:
         self._copies.close()
+        if self._ipc_reader is not None:
+            self._ipc_reader.close()
         self.reader.close()
