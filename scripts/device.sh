@@ -14,6 +14,7 @@
 #   bash scripts/device.sh encoder-tests encode-load encode-ab   # issue 18, graph per batch size (.prev, .mid carried)
 #   bash scripts/device.sh encode-replicas profile-graphed   # issue 18, sixth round: one service's process the cap?
 #   (then whisper-replicas)
+#   bash scripts/device.sh encoder-tests encode-load encode-final-ab   # the same round's table (.prev carried)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -141,6 +142,14 @@ for name in "$@"; do
                 --variant one= --variant "two=@replicas=2" --variant "three=@replicas=3"
             gpu_util_stop
             grep -h "mean ms\|img/s\|batches, mean" "$OUT"/siglip-replicas.log ;;
+        encode-final-ab)  # SigLIP (and Whisper) on this tree, SigLIP with a 0.5 ms GIL switch interval too,
+            # then both on the code before (.prev: `git archive REV`, carried)
+            step siglip-now 200 python3 bench/encode_load.py --only siglip --no-tower --requests 2048 \
+                --variant default= --variant "si05=--switch-interval-ms 0.5"
+            old_tree .prev siglip-prev --only siglip --requests 2048
+            step whisper-now 150 python3 bench/encode_load.py --only whisper --no-tower --requests 1024
+            old_tree .prev whisper-prev --only whisper --requests 1024
+            grep -h "mean ms\|img/s\|clip/s\|batches, mean" "$OUT"/siglip-*.log "$OUT"/whisper-*.log ;;
         whisper-replicas)
             step whisper-replicas 200 python3 bench/encode_load.py --only whisper --no-tower --requests 768 \
                 --variant one= --variant "two=@replicas=2"
