@@ -223,11 +223,17 @@ def copy_shared(ref: pb.CudaIpcRef, device: torch.device) -> tuple[torch.Tensor,
         storage = torch.UntypedStorage._new_shared_cuda(
             index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes, ref.ref_counter_handle,
             ref.ref_counter_offset, ref.event_handle, ref.event_sync_required)
-        src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
-        out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
-        out.copy_(src, non_blocking=True)
-        src = None
-        copied = torch.cuda.Event()
-        copied.record(stream)
+        try:
+            src = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, ref.offset, (ref.nbytes,), (1,))
+            out = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
+            out.copy_(src, non_blocking=True)
+            src = None
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        except BaseException:
+            src = None
+            with torch.cuda.stream(transfer_stream(device)):  # freed where its synchronize waits for nothing
+                storage = None
+            raise
     out.record_stream(torch.cuda.current_stream(device))  # made on the IPC stream, used on the caller's
     return out, copied, storage
