@@ -150,6 +150,10 @@ for name in "$@"; do
             step whisper-now 150 python3 bench/encode_load.py --only whisper --no-tower --requests 1024
             old_tree .prev whisper-prev --only whisper --requests 1024
             grep -h "mean ms\|img/s\|clip/s\|batches, mean" "$OUT"/siglip-*.log "$OUT"/whisper-*.log ;;
+        ipc-test) step ipc-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py ;;
+        whisper-table)  # the table's Whisper row alone: the tower and the service in one run
+            step whisper-table 200 python3 bench/encode_load.py --only whisper
+            grep -h "mean ms\|clip/s\|batches, mean" "$OUT"/whisper-table.log ;;
         whisper-replicas)
             step whisper-replicas 200 python3 bench/encode_load.py --only whisper --no-tower --requests 768 \
                 --variant one= --variant "two=@replicas=2"
