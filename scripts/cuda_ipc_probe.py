@@ -35,7 +35,9 @@ def timing_child(messages: list[bytes], answers):
     for message in messages:
         ref = pb.CudaIpcRef.FromString(message)
         start = time.perf_counter()
-        copy_shared(ref, torch.device("cuda"))
+        _out, copied, storage = copy_shared(ref, torch.device("cuda"))
+        copied.synchronize()
+        del storage  # closes the mapping
         times.append(time.perf_counter() - start)
     answers.put(f"copy_shared of {ref.nbytes / 1e6:.1f} MB: first {times[0] * 1e3:.2f} ms, "
                 f"median of the rest {statistics.median(times[1:]) * 1e3:.3f} ms")
@@ -46,7 +48,8 @@ def wire_child(message: bytes, answers):
         from modalmesh import pb
         from modalmesh.rpc.cuda_ipc import copy_shared
 
-        out = copy_shared(pb.CudaIpcRef.FromString(message), torch.device("cuda"))
+        out, copied, _storage = copy_shared(pb.CudaIpcRef.FromString(message), torch.device("cuda"))
+        copied.synchronize()
         answers.put(f"modalmesh wire form: works, the child read sum {float(out.view(torch.float32).sum()):.1f}")
     except Exception as exc:  # noqa: BLE001
         answers.put(f"modalmesh wire form: failed: {type(exc).__name__}: {exc}".splitlines()[0])
