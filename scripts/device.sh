@@ -150,7 +150,8 @@ for name in "$@"; do
             step whisper-now 150 python3 bench/encode_load.py --only whisper --no-tower --requests 1024
             old_tree .prev whisper-prev --only whisper --requests 1024
             grep -h "mean ms\|img/s\|clip/s\|batches, mean" "$OUT"/siglip-*.log "$OUT"/whisper-*.log ;;
-        ipc-test) step ipc-test 120 python3 -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py ;;
+        ipc-test) step ipc-test 120 python3 -m pytest -q -s -p no:cacheprovider tests/test_transfer_cuda.py -k "${IPC_K:-cuda}"
+                  grep -h "batch running" "$OUT/ipc-test.log" ;;
         whisper-table)  # the table's Whisper row alone: the tower and the service in one run
             step whisper-table 200 python3 bench/encode_load.py --only whisper
             grep -h "mean ms\|clip/s\|batches, mean" "$OUT"/whisper-table.log ;;

@@ -85,13 +85,24 @@ def _produce_while_the_batch_runs(conn, directory: str) -> None:
         warm = torch.zeros(_ROWS, device="cuda")
         torch.cuda.synchronize()
         assert ipc.export(pb.Tensor(dtype=pb.FLOAT32, shape=[_ROWS]), warm) is not None
+        import time
+
         out = torch.empty(_ROWS, device="cuda")
+        values = torch.arange(_ROWS, device="cuda", dtype=torch.float32)
+        began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
         torch.cuda._sleep(12_000_000_000)  # about six seconds of GPU clock cycles before the answer is made
-        out.copy_(torch.arange(_ROWS, device="cuda", dtype=torch.float32))
-        ready = torch.cuda.Event()
+        out.copy_(values)
         ready.record()
+        start = time.perf_counter()
+        running_before = not ready.query()
         ref = ipc.export(pb.Tensor(dtype=pb.FLOAT32, shape=[_ROWS]), out, ready)
-        conn.send((ref.SerializeToString(), ready.query()))
+        exported_s = time.perf_counter() - start
+        running = not ready.query()
+        ready.synchronize()
+        seen = (f"batch running before the export: {running_before}, after: {running}; export {exported_s:.3f} s; "
+                f"the batch took {began.elapsed_time(ready) / 1e3:.3f} s on the GPU")
+        conn.send((ref.SerializeToString(), running, seen))
         conn.recv()  # the reader is done
         torch.cuda.synchronize()
     finally:
@@ -112,8 +123,9 @@ def test_a_cuda_ipc_answer_sent_while_its_batch_runs_is_read_only_once_the_batch
     producer.start()
     try:
         assert parent.poll(300), "the producer sent nothing"
-        wire, done_when_sent = parent.recv()
-        assert not done_when_sent  # the answer went out with its batch still running
+        wire, running, seen = parent.recv()
+        print(seen)
+        assert running, seen  # the answer went out with its batch still running
         message = pb.Tensor.FromString(wire)
         reader = CudaIpcReader(ShmReader(directory=tmp_path))
         pending = reader.start(message, name="items[0]", device=torch.device("cuda"))
