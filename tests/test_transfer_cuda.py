@@ -91,7 +91,11 @@ def _produce_while_the_batch_runs(conn, directory: str) -> None:
         values = torch.arange(_ROWS, device="cuda", dtype=torch.float32)
         began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record()
-        torch.cuda._sleep(12_000_000_000)  # about six seconds of GPU clock cycles before the answer is made
+        # The batch: seconds of real GPU work (fp32 matmuls) queued before the answer is written. On the H200,
+        # a batch of torch.cuda._sleep had finished by the time the export returned, in two runs.
+        work = torch.randn(8192, 8192, device="cuda")
+        for _ in range(300):
+            work = torch.tanh(work @ work * 1e-4)
         out.copy_(values)
         ready.record()
         start = time.perf_counter()
