@@ -31,6 +31,11 @@ PREFIX = "modalmesh_"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+# A whole request, arrival to last token: long generations run for minutes to hours, which _LATENCY's
+# 120 s top would put in +Inf.
+_REQUEST_LATENCY = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400)
+_REQUEST_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000,
+                   500000, 1000000)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,31 @@ SCHEMA: tuple[MetricSpec, ...] = (
                (), _LATENCY),
     MetricSpec("modalmesh_time_per_output_token_seconds", "histogram", "Gap between output tokens of a request.",
                (), _TOKEN_LATENCY),
+    # LLM requests (vLLM's request metrics under modalmesh_ names), observed by the engine when a request
+    # finishes, whatever the reason; labelled with the served model (--model-id).
+    MetricSpec("modalmesh_num_requests_running", "gauge",
+               "Requests in the running batch now (the waiting ones are modalmesh_queue_depth).", ("model_name",)),
+    MetricSpec("modalmesh_requests_finished_total", "counter",
+               "Requests the engine finished, by reason: stop (EOS, stop token or string), length (max_tokens or "
+               "the model's limit), abort (client gone, deadline, shutdown), error (the engine step failed).",
+               ("model_name", "finished_reason")),
+    MetricSpec("modalmesh_num_preemptions_total", "counter",
+               "Running requests preempted for KV pages (their pages freed, recomputed later).", ("model_name",)),
+    MetricSpec("modalmesh_request_queue_time_seconds", "histogram",
+               "Arrival at the engine to first scheduled.", ("model_name",), _REQUEST_LATENCY),
+    MetricSpec("modalmesh_request_prefill_time_seconds", "histogram",
+               "First scheduled to first output token.", ("model_name",), _REQUEST_LATENCY),
+    MetricSpec("modalmesh_request_decode_time_seconds", "histogram",
+               "First output token to the last.", ("model_name",), _REQUEST_LATENCY),
+    MetricSpec("modalmesh_e2e_request_latency_seconds", "histogram",
+               "Arrival at the engine to finished.", ("model_name",), _REQUEST_LATENCY),
+    MetricSpec("modalmesh_request_prompt_tokens", "histogram", "Prompt tokens per finished request.",
+               ("model_name",), _REQUEST_TOKENS),
+    MetricSpec("modalmesh_request_generation_tokens", "histogram", "Output tokens per finished request.",
+               ("model_name",), _REQUEST_TOKENS),
+    MetricSpec("modalmesh_request_params_max_tokens", "histogram",
+               "max_tokens per finished request (the model's remaining length when the request left it 0).",
+               ("model_name",), _REQUEST_TOKENS),
     # Encoders and VAE.
     MetricSpec("modalmesh_encoded_items_total", "counter", "Items encoded (images, audio clips).", ("modality",)),
     MetricSpec("modalmesh_encode_stage_seconds", "histogram",

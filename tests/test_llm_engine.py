@@ -195,3 +195,73 @@ def test_an_abort_with_a_step_in_flight_drops_its_token_and_frees_its_pages(toke
         rest.append(outs["a"].get())
     assert all(not d.finish_reason for d in rest)  # an aborted request gets no more deltas, no finish
     assert engine.pool.allocator.used_tokens == 0
+
+
+# -- request metrics: what the engine counts matches what happened to the requests -------------------------
+def _sample(engine, name, **labels):
+    return engine.metrics.registry.get_sample_value(name, {"service": "llm", "model_name": "tiny", **labels})
+
+
+def test_request_metrics_count_each_finish_by_reason_and_size(tokenizer):
+    log: list = []
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    stops = tokenizer.encode(" a picture")[:2] + [eos, 11]
+    engine, runner = _engine(tokenizer, {"a": script, "b": script, "c": stops}, log)
+    engine.model_name = "tiny"
+    deltas = _run(engine, log, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6)),
+                                "b": ([8, 9], SamplingParams(temperature=0.0, max_tokens=4)),
+                                "c": ([5], SamplingParams(temperature=0.0, max_tokens=10))})
+    assert [d[-1].finish_reason for d in deltas.values()] == ["length", "length", "stop"]
+    finished = "modalmesh_requests_finished_total"
+    assert _sample(engine, finished, finished_reason="length") == 2  # the two that hit max_tokens
+    assert _sample(engine, finished, finished_reason="stop") == 1
+    assert _sample(engine, finished, finished_reason="abort") is None
+    assert _sample(engine, "modalmesh_request_prompt_tokens_sum") == 3 + 2 + 1
+    assert _sample(engine, "modalmesh_request_prompt_tokens_count") == 3
+    assert _sample(engine, "modalmesh_request_generation_tokens_sum") == 6 + 4 + 3  # c: 2 tokens and EOS
+    assert _sample(engine, "modalmesh_request_params_max_tokens_sum") == 6 + 4 + 10
+    for name in ("queue_time", "prefill_time", "decode_time"):
+        assert _sample(engine, f"modalmesh_request_{name}_seconds_count") == 3, name
+    assert _sample(engine, "modalmesh_e2e_request_latency_seconds_count") == 3
+    e2e = _sample(engine, "modalmesh_e2e_request_latency_seconds_sum")
+    parts = sum(_sample(engine, f"modalmesh_request_{n}_seconds_sum") for n in ("queue_time", "prefill_time",
+                                                                                  "decode_time"))
+    assert parts == pytest.approx(e2e, abs=1e-3)  # queue + prefill + decode is the whole request
+    # end-to-end buckets reach hours: a long generation lands in a bucket, not only in +Inf
+    assert _sample(engine, "modalmesh_e2e_request_latency_seconds_bucket", le="7200.0") == 3
+    assert _sample(engine, "modalmesh_num_requests_running") == 0
+    assert _sample(engine, "modalmesh_num_preemptions_total") is None
+
+
+def test_request_metrics_count_preemptions_and_aborts(tokenizer):
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog the quick brown fox")
+    engine, runner = _engine(tokenizer, {"a": script, "b": script, "c": script}, log)
+    engine.model_name = "tiny"
+    # 5 pages of 4 tokens: two requests of 4 + 9 tokens (4 pages each) cannot both stay running
+    engine.pool.allocator = engine.scheduler.allocator = PageAllocator(5, page_size=4)
+    deltas = _run(engine, log, {"a": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=9)),
+                                "b": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=9))})
+    assert all(d[-1].finish_reason == "length" for d in deltas.values())
+    assert _sample(engine, "modalmesh_num_preemptions_total") >= 1
+    assert _sample(engine, "modalmesh_requests_finished_total", finished_reason="length") == 2
+
+    # an aborted request counts once, as abort, with the tokens it had got
+    engine2, runner2 = _engine(tokenizer, {"a": script}, log)
+    engine2.model_name = "tiny"
+    out = queue.Queue()
+    engine2.add("a", PreparedPrompt([5, 6]), SamplingParams(temperature=0.0, max_tokens=12), out.put)
+    runner2.hold_at = 3
+    engine2.start()
+    try:
+        out.get(timeout=30)
+        engine2.abort("a")
+        runner2.release.set()
+        engine2.abort("a")  # twice: still one
+    finally:
+        engine2.stop()
+    assert _sample(engine2, "modalmesh_requests_finished_total", finished_reason="abort") == 1
+    assert _sample(engine2, "modalmesh_request_prompt_tokens_sum") == 2
+    assert _sample(engine2, "modalmesh_request_params_max_tokens_sum") == 12
+    assert 1 <= _sample(engine2, "modalmesh_request_generation_tokens_sum") < 12

@@ -12,7 +12,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
 def test_docs_table_matches_schema_exactly():
-    rows = re.findall(r"^\| `(modalmesh_[a-z_]+)` \| (\w+) \| ([^|]+) \|", DOC.read_text(), re.M)
+    rows = re.findall(r"^\| `(modalmesh_[a-z0-9_]+)` \| (\w+) \| ([^|]+) \|", DOC.read_text(), re.M)
     documented = {name: (kind, tuple(l.strip() for l in labels.split(","))) for name, kind, labels in rows}
     expected = {s.name: (s.kind, ("service", *s.labels)) for s in SCHEMA}
     assert documented == expected

@@ -27,7 +27,7 @@ from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
 from services.llm.sampling import SamplerRow, SamplingParams
-from services.llm.scheduler import Scheduler, Sequence, SeqStatus
+from services.llm.scheduler import PENDING, Scheduler, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """Rank 0's engine over a `ModelRunner` (which, under TP, drives the other ranks)."""
 
-    def __init__(self, runner: ModelRunner, tokenizer, *, eos_token_ids: tuple[int, ...], metrics: Metrics):
+    def __init__(self, runner: ModelRunner, tokenizer, *, eos_token_ids: tuple[int, ...], metrics: Metrics,
+                 model_name: str = ""):
         config = runner.config
         self.runner = runner
         self.pool = runner.pool
@@ -45,6 +46,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         self.device = runner.device
         self.metrics = metrics
+        self.model_name = model_name  # the request series' model_name label
         self.max_queue = config.max_queue
         self.scheduler: Scheduler = Scheduler(self.pool.allocator, max_num_seqs=config.max_num_seqs,
                                               max_batch_tokens=config.max_batch_tokens,
@@ -137,6 +139,8 @@ class LLMEngine:
                         seq = self._live.pop(value, None)
                         if seq is not None:
                             self.scheduler.finish(seq, "abort")
+                            self._finished(seq.state, "abort", len(seq.prompt_ids), seq.max_tokens,
+                                           _generated(seq))
                             self.pool.publish()  # the pool gauge drops now, not at the next step
             except queue.Empty:
                 pass
@@ -149,6 +153,7 @@ class LLMEngine:
                     self._emit(*done)
             inflight = launched
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
+            self.metrics.num_requests_running.labels(model_name=self.model_name).set(len(self.scheduler.running))
 
     def _launch(self, previous: InFlight | None) -> InFlight | None:
         t0 = time.perf_counter()
@@ -163,6 +168,14 @@ class LLMEngine:
             return None
         for seq in step.preempted:
             log.info("preempted %s (KV pool full); it will be recomputed", seq.seq_id)
+        if step.preempted:
+            self.metrics.num_preemptions_total.labels(model_name=self.model_name).inc(len(step.preempted))
+        for chunk in step.chunks:
+            state = chunk.seq.state
+            if state is not None and state.scheduled_at is None:
+                state.scheduled_at = t1
+                self.metrics.request_queue_time_seconds.labels(model_name=self.model_name).observe(
+                    t1 - state.arrival)
         try:
             inflight = self.runner.submit(step, previous)
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
@@ -247,6 +260,10 @@ class LLMEngine:
         params = state.params
         if state.last_token_at is None:
             self.metrics.time_to_first_token_seconds.observe(now - state.arrival)
+            state.first_token_at = now
+            if state.scheduled_at is not None:
+                self.metrics.request_prefill_time_seconds.labels(model_name=self.model_name).observe(
+                    now - state.scheduled_at)
         else:
             self.metrics.time_per_output_token_seconds.observe(now - state.last_token_at)
         state.last_token_at = now
@@ -264,30 +281,55 @@ class LLMEngine:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
             delta.completion_tokens = len(seq.output_ids)
+            self._finished(state, finish, len(seq.prompt_ids), seq.max_tokens, len(seq.output_ids), now)
         return delta
 
-    def _fail(self, seqs: list[Sequence[RequestState]], exc: BaseException) -> None:
+    def _finished(self, state: RequestState, reason: str, prompt_tokens: int, max_tokens: int,
+                  generation_tokens: int, now: float | None = None) -> None:
+        """A request's metrics, once, when it ends (stop, length, abort, error)."""
+        if state is None or state.finished:
+            return
+        state.finished = True
+        now = time.perf_counter() if now is None else now
+        m, name = self.metrics, self.model_name
+        m.requests_finished_total.labels(model_name=name, finished_reason=reason).inc()
+        m.e2e_request_latency_seconds.labels(model_name=name).observe(now - state.arrival)
+        if state.first_token_at is not None:
+            m.request_decode_time_seconds.labels(model_name=name).observe(now - state.first_token_at)
+        m.request_prompt_tokens.labels(model_name=name).observe(prompt_tokens)
+        m.request_generation_tokens.labels(model_name=name).observe(generation_tokens)
+        m.request_params_max_tokens.labels(model_name=name).observe(max_tokens)
+
+    def _fail(self, seqs: list[Sequence[RequestState]], exc: BaseException, reason: str = "error") -> None:
+        """End `seqs` with `exc`; `reason` is the finished-requests label (error: a step failed)."""
         for seq in seqs:
             if seq.status is SeqStatus.FINISHED:
                 continue
             self._live.pop(seq.seq_id, None)
             self.scheduler.finish(seq, "abort")
+            self._finished(seq.state, reason, len(seq.prompt_ids), seq.max_tokens, _generated(seq))
             seq.state.emit(Delta(finish_reason="abort", error=exc))
         self.pool.publish()
 
     def _abort_all(self, why: str) -> None:
-        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), Unavailable(why))
+        self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), Unavailable(why), "abort")
         while True:
             try:
                 kind, value = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "add":
+                self._finished(value.state, "abort", len(value.prompt_ids), value.max_tokens, 0)
                 value.state.emit(Delta(finish_reason="abort", error=Unavailable(why)))
 
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+
+def _generated(seq: Sequence) -> int:
+    """Output tokens read back so far (a pending one is still on the device)."""
+    return sum(1 for t in seq.output_ids if t != PENDING)
 
 
 class ThreadSafeEmitter:

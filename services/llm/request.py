@@ -39,3 +39,6 @@ class RequestState:
     emit: Callable[[Delta], None]
     arrival: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
+    scheduled_at: float | None = None  # first time in a step (queue time ends, prefill begins)
+    first_token_at: float | None = None
+    finished: bool = False  # its request metrics observed (once, whichever way it ended)

@@ -94,7 +94,8 @@ class LLMService(Service):
         eos = tuple(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos += (self.tokenizer.eos_token_id,)
-        self.engine = LLMEngine(self.runner, self.tokenizer, eos_token_ids=eos, metrics=self.metrics)
+        self.engine = LLMEngine(self.runner, self.tokenizer, eos_token_ids=eos, metrics=self.metrics,
+                                model_name=self.model_id)
 
     async def close(self) -> None:
         if self.engine is not None:
