@@ -101,6 +101,10 @@ def add_process_arguments(parser: argparse.ArgumentParser, *, port: int, protoco
                              "(0.0.0.0: every interface; containers set it)")
     parser.add_argument("--port", type=int, default=port, help=f"{protocol} port (0 picks a free one)")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0 picks one, -1 disables)")
+    parser.add_argument("--metrics-buckets", default=None,
+                        help="upper bounds in seconds, comma-separated, of the whole-request latency histograms "
+                             "(e2e, queue, prefill, decode; the gateway's HTTP duration), e.g. 1,10,60,600,3600 "
+                             "(default: 0.1 s to 4 h)")
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help=f"seconds in-flight {what} get to finish on SIGTERM")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log level")

@@ -66,9 +66,25 @@ SCHEMA: tuple[MetricSpec, ...] = (
     # LLM tokens and latency.
     MetricSpec("modalmesh_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
     MetricSpec("modalmesh_generation_tokens_total", "counter", "Tokens generated."),
-    MetricSpec("modalmesh_time_to_first_token_seconds", "histogram", "Request arrival to first output token.",
-               (), _LATENCY),
-    MetricSpec("modalmesh_time_per_output_token_seconds", "histogram", "Gap between output tokens of a request.",
+    MetricSpec("modalmesh_time_to_first_token_seconds", "histogram",
+               "LLM engine: request arrival to first output token (the gateway's is "
+               "modalmesh_gateway_time_to_first_token_seconds).", (), _LATENCY),
+    MetricSpec("modalmesh_time_per_output_token_seconds", "histogram",
+               "LLM engine: per request, (last token - first token) / (output tokens - 1), observed once when it "
+               "finishes with 2 or more tokens.", (), _TOKEN_LATENCY),
+    MetricSpec("modalmesh_inter_token_latency_seconds", "histogram",
+               "LLM engine: gap between consecutive output tokens of a request, one observation per token.",
+               (), _TOKEN_LATENCY),
+    # The gateway's HTTP side, as a client sees it.
+    MetricSpec("modalmesh_http_requests_total", "counter", "Gateway: HTTP requests finished, by route and HTTP "
+               "status (499: the client went away).", ("route", "status")),
+    MetricSpec("modalmesh_http_request_duration_seconds", "histogram",
+               "Gateway: HTTP request wall time, to the last byte of a stream, by route and HTTP status.",
+               ("route", "status"), _REQUEST_LATENCY),
+    MetricSpec("modalmesh_gateway_time_to_first_token_seconds", "histogram",
+               "Gateway: HTTP request arrival to the first output token received from the LLM.", (), _LATENCY),
+    MetricSpec("modalmesh_gateway_inter_token_latency_seconds", "histogram",
+               "Gateway: gap between output tokens received from the LLM (a message's gap spread over its tokens).",
                (), _TOKEN_LATENCY),
     # LLM requests (vLLM's request metrics under modalmesh_ names), observed by the engine when a request
     # finishes, whatever the reason; labelled with the served model (--model-id).
@@ -139,6 +155,37 @@ SCHEMA: tuple[MetricSpec, ...] = (
 )
 
 SCHEMA_BY_NAME = {spec.name: spec for spec in SCHEMA}
+# The histograms --metrics-buckets overrides: whole requests, whose range depends on the workload
+# (seconds for a chat turn, hours for a long generation).
+REQUEST_LATENCY_METRICS = frozenset(spec.name for spec in SCHEMA if spec.buckets == _REQUEST_LATENCY)
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """How a process's metrics are built, from its flags (run_process) down to `Metrics`."""
+
+    request_latency_buckets: tuple[float, ...] = _REQUEST_LATENCY  # REQUEST_LATENCY_METRICS' upper bounds
+
+    @classmethod
+    def from_flags(cls, buckets: str | None, flag: str = "--metrics-buckets") -> MetricsOptions:
+        if buckets is None or not buckets.strip():
+            return cls()
+        return cls(request_latency_buckets=parse_buckets(buckets, flag))
+
+
+def parse_buckets(text: str, flag: str) -> tuple[float, ...]:
+    """``"0.5,1,5,60"`` as histogram upper bounds: positive, finite, strictly increasing (+Inf is implied)."""
+    from modalmesh.errors import ConfigError  # grpc: only when a flag is parsed
+
+    try:
+        bounds = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated seconds, e.g. 1,10,60,600,3600") from None
+    if not all(0 < b < float("inf") for b in bounds):
+        raise ConfigError(f"{flag} {text!r}: bucket bounds must be positive and finite (+Inf is always added)")
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ConfigError(f"{flag} {text!r}: bucket bounds must be strictly increasing")
+    return bounds
 
 
 class BoundMetric:
@@ -190,28 +237,32 @@ class BoundMetric:
         self.labels().observe(value)
 
 
-def _build(spec: MetricSpec, registry: CollectorRegistry):
+def _build(spec: MetricSpec, registry: CollectorRegistry, options: MetricsOptions):
     labelnames = ("service", *spec.labels)
     if spec.kind == "counter":
         return Counter(spec.name.removesuffix("_total"), spec.doc, labelnames, registry=registry)
     if spec.kind == "gauge":
         return Gauge(spec.name, spec.doc, labelnames, registry=registry)
     if spec.kind == "histogram":
-        return Histogram(spec.name, spec.doc, labelnames, buckets=spec.buckets, registry=registry)
+        buckets = options.request_latency_buckets if spec.name in REQUEST_LATENCY_METRICS else spec.buckets
+        return Histogram(spec.name, spec.doc, labelnames, buckets=buckets, registry=registry)
     raise ValueError(f"unknown metric kind {spec.kind!r}")
 
 
 class Metrics:
     """The schema's metrics for one service on one registry."""
 
-    def __init__(self, service: str, registry: CollectorRegistry | None = None, *, process_metrics: bool = True):
+    def __init__(self, service: str, registry: CollectorRegistry | None = None, *, process_metrics: bool = True,
+                 options: MetricsOptions = MetricsOptions()):
         self.service = service
+        self.options = options
         self.registry = registry if registry is not None else CollectorRegistry()
         if process_metrics and registry is None:
             ProcessCollector(registry=self.registry)
             PlatformCollector(registry=self.registry)
         self._bound = {
-            spec.name.removeprefix(PREFIX): BoundMetric(_build(spec, self.registry), service, spec.labels)
+            spec.name.removeprefix(PREFIX): BoundMetric(_build(spec, self.registry, options), service,
+                                                             spec.labels)
             for spec in SCHEMA
         }
         # Service-only metrics exist from the start, so a scrape shows 0, not nothing.

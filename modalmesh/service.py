@@ -162,8 +162,10 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    metrics = metrics_mod.install(metrics_mod.Metrics(name))
     try:
+        # The flags' value flows down into the registry (buckets are fixed when a histogram is made).
+        options = metrics_mod.MetricsOptions.from_flags(args.metrics_buckets)
+        metrics = metrics_mod.install(metrics_mod.Metrics(name, options=options))
         serve = setup(args, metrics)
     except ConfigError as exc:
         log.error("%s", exc)

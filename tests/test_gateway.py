@@ -13,6 +13,8 @@ import http.client
 import io
 import json
 import math
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent import futures
@@ -200,7 +202,11 @@ def test_gateway_metrics_use_the_shared_schema(stack):
     assert metric(port, "modalmesh_ready", service="gateway") == 1
     assert metric(port, "modalmesh_service_info", service="gateway", model_id="qwen2_vl") == 1
     assert metric(port, "modalmesh_generation_tokens_total", service="gateway") >= 2
-    assert metric(port, "modalmesh_time_to_first_token_seconds_count", service="gateway") >= 1
+    assert metric(port, "modalmesh_gateway_time_to_first_token_seconds_count", service="gateway") >= 1
+    # the engine-side TTFT is the LLM's alone: a sum over services no longer adds the two
+    assert metric(port, "modalmesh_time_to_first_token_seconds_count", service="gateway") == 0
+    assert metric(port, "modalmesh_http_requests_total", service="gateway", route="/v1/completions",
+                  status="200") >= 1
     assert all(s.name.startswith(("modalmesh_", "process_", "python_")) for s in scrape(port))
 
 
@@ -461,6 +467,7 @@ def test_client_disconnect_mid_stream_cancels_generation_and_frees_kv_pages(stac
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert metric(gw.metrics_port, "modalmesh_requests_total", rpc="/v1/chat/completions", code="499") >= 1
+    assert metric(gw.metrics_port, "modalmesh_http_requests_total", route="/v1/chat/completions", status="499") >= 1
     assert metric(llm.metrics_port, "modalmesh_generation_tokens_total") < 450 * 50
 
 
@@ -581,7 +588,8 @@ def scripted():
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    gw = GatewayProcess([*GATEWAY, "--llm", f"127.0.0.1:{port}", "--api-key", "sesame"]).start()
+    gw = GatewayProcess([*GATEWAY, "--llm", f"127.0.0.1:{port}", "--api-key", "sesame",
+                         "--metrics-buckets", "0.5,30,7200"]).start()
     try:
         gw.wait_listening()
         yield gw, health_servicer
@@ -663,3 +671,36 @@ def test_sigterm_lets_in_flight_streams_finish_then_exits_0(stack):
             http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=5).request("GET", "/health")
     finally:
         gw.terminate(timeout=30)
+
+
+def test_http_metrics_have_their_own_status_label_and_are_on_the_http_port(scripted):
+    gw, health_servicer = scripted
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    gw.wait_serving(timeout=30)
+    before = metric(gw.metrics_port, "modalmesh_http_requests_total", route="/v1/completions", status="429")
+    with pytest.raises(openai.RateLimitError):
+        client(gw, "sesame").completions.create(model="scripted", prompt="full")
+    assert list(client(gw, "sesame").completions.create(model="scripted", prompt="x", stream=True))
+    # /metrics on the HTTP port, without the API key, is the same registry as --metrics-port's
+    http_samples = scrape(gw.http_port)
+    assert metric(gw.http_port, "modalmesh_http_requests_total", route="/v1/completions", status="429") == before + 1
+    assert metric(gw.metrics_port, "modalmesh_http_requests_total", route="/v1/completions", status="429") == before + 1
+    assert any(s.name == "modalmesh_ready" and s.labels["service"] == "gateway" for s in http_samples)
+    assert all("code" not in s.labels for s in http_samples if s.name.startswith("modalmesh_http_"))
+    # the gateway's TTFT and token gaps under their own names; the LLM's stay the LLM's
+    assert metric(gw.metrics_port, "modalmesh_gateway_time_to_first_token_seconds_count") >= 1
+    assert metric(gw.metrics_port, "modalmesh_gateway_inter_token_latency_seconds_count") >= 2
+    assert metric(gw.metrics_port, "modalmesh_time_to_first_token_seconds_count") == 0
+    assert metric(gw.metrics_port, "modalmesh_inter_token_latency_seconds_count") == 0
+    # --metrics-buckets 0.5,30,7200 made the request-duration buckets
+    bounds = {s.labels["le"] for s in scrape(gw.metrics_port) if s.name == "modalmesh_http_request_duration_seconds_bucket"}
+    assert bounds == {"0.5", "30.0", "7200.0", "+Inf"}
+
+
+@pytest.mark.parametrize("value,why", [("1,1,5", "strictly increasing"), ("5,1", "strictly increasing"),
+                                       ("0,1", "positive"), ("1,fast", "comma-separated")])
+def test_bad_metrics_buckets_exit_2_naming_the_flag(value, why):
+    proc = subprocess.run([sys.executable, "-m", "services.gateway", *GATEWAY, "--llm", "127.0.0.1:1",
+                           "--metrics-buckets", value], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--metrics-buckets" in proc.stderr and why in proc.stderr, proc.stderr

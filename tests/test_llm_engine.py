@@ -232,6 +232,11 @@ def test_request_metrics_count_each_finish_by_reason_and_size(tokenizer):
     assert _sample(engine, "modalmesh_e2e_request_latency_seconds_bucket", le="7200.0") == 3
     assert _sample(engine, "modalmesh_num_requests_running") == 0
     assert _sample(engine, "modalmesh_num_preemptions_total") is None
+    # one inter-token gap per token after a request's first; one TPOT per request (each had 2+ tokens)
+    get = engine.metrics.registry.get_sample_value
+    assert get("modalmesh_inter_token_latency_seconds_count", {"service": "llm"}) == (6 - 1) + (4 - 1) + (3 - 1)
+    assert get("modalmesh_time_per_output_token_seconds_count", {"service": "llm"}) == 3
+    assert get("modalmesh_time_to_first_token_seconds_count", {"service": "llm"}) == 3
 
 
 def test_request_metrics_count_preemptions_and_aborts(tokenizer):

@@ -203,6 +203,12 @@ def test_metrics_count_tokens_and_latency(qwen2):
     assert get("modalmesh_generation_tokens_total") >= 5
     assert get("modalmesh_prompt_tokens_total") >= 2
     assert get("modalmesh_time_to_first_token_seconds_count") >= 1
+    # request series carry the served model (--model-id, here the checkpoint directory's name)
+    model = {"model_name": qwen2.dir.name}
+    assert get("modalmesh_requests_finished_total", finished_reason="length", **model) >= 1
+    assert get("modalmesh_e2e_request_latency_seconds_count", **model) >= 1
+    assert get("modalmesh_request_generation_tokens_sum", **model) >= 5
+    assert get("modalmesh_num_requests_running", **model) == 0
     assert get("modalmesh_kv_pool_capacity_tokens", pool="kv") == 2048
     assert get("modalmesh_kv_pool_used_tokens", pool="kv") == 0
     assert any(k[0] == "modalmesh_attention_backend_info" for k in samples)

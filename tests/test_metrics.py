@@ -67,3 +67,33 @@ def test_cached_label_children_survive_remove_and_clear():
                                           "device": "cpu"}) == 1
     stage = m.encode_stage_seconds
     assert stage.labels(stage="prepare") is stage.labels(stage="prepare")  # looked up once
+
+
+def test_metrics_buckets_override_the_request_latency_histograms_only():
+    from modalmesh.metrics import REQUEST_LATENCY_METRICS, MetricsOptions
+
+    assert "modalmesh_e2e_request_latency_seconds" in REQUEST_LATENCY_METRICS
+    assert "modalmesh_http_request_duration_seconds" in REQUEST_LATENCY_METRICS
+    default = Metrics("llm", process_metrics=False)
+    default.e2e_request_latency_seconds.labels(model_name="m").observe(5400)  # 1.5 h: a bucket, not only +Inf
+    get = default.registry.get_sample_value
+    assert get("modalmesh_e2e_request_latency_seconds_bucket", {"service": "llm", "model_name": "m", "le": "7200.0"}) == 1
+    m = Metrics("llm", process_metrics=False, options=MetricsOptions.from_flags("1, 60,3600"))
+    m.e2e_request_latency_seconds.labels(model_name="m").observe(30)
+    m.time_to_first_token_seconds.observe(0.01)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(m.registry).decode())}
+    bounds = lambda name: [s.labels["le"] for s in families[name].samples if s.name.endswith("_bucket")]
+    assert bounds("modalmesh_e2e_request_latency_seconds") == ["1.0", "60.0", "3600.0", "+Inf"]
+    assert "0.001" in bounds("modalmesh_time_to_first_token_seconds")  # token-scale histograms keep theirs
+    assert MetricsOptions.from_flags(None) == MetricsOptions() == MetricsOptions.from_flags("")
+
+
+def test_bad_metrics_buckets_are_a_config_error_naming_the_flag():
+    import pytest
+
+    from modalmesh.errors import ConfigError
+    from modalmesh.metrics import MetricsOptions
+
+    for value in ("1,1", "10,5", "-1,2", "1,inf", "a,b"):
+        with pytest.raises(ConfigError, match="--metrics-buckets"):
+            MetricsOptions.from_flags(value)

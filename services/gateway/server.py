@@ -5,7 +5,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), ``POST /v1/images/decode`` (our extension: latents ->
 PNG through the VAE), ``GET /health``. Metrics (the shared ``modalmesh_`` schema,
-``service="gateway"``) are on ``--metrics-port`` like every service's.
+``service="gateway"``) are on ``--metrics-port`` like every service's, and on the HTTP port's ``GET /metrics``.
 
 Life cycle as the other services (the same process shell, ``modalmesh.service.run_process``):
 flags also read from ``MODALMESH_*``, one ``listening http=HOST:PORT metrics=HOST:PORT`` line once bound, ``/health`` 503
@@ -115,6 +115,9 @@ class Gateway:
         r.add_get("/v1/models/{model:.+}", self.get_model)
         r.add_post("/v1/images/decode", self.images_decode)
         r.add_get("/health", self.health)
+        # Also on the HTTP port: where only the API port is exposed (one Service, an ingress), Prometheus
+        # still scrapes it. No API key, as /health (it carries no request data).
+        r.add_get("/metrics", self.metrics_page)
 
     @property
     def backends(self) -> list[Backend]:
@@ -212,6 +215,9 @@ class Gateway:
         finally:
             elapsed = time.perf_counter() - start
             m.requests_in_flight.labels(rpc=route).dec()
+            m.http_requests_total.labels(route=route, status=str(status)).inc()
+            m.http_request_duration_seconds.labels(route=route, status=str(status)).observe(elapsed)
+            # Deprecated for the gateway (docs/metrics.md): the same, with the HTTP status in gRPC's `code`.
             m.requests_total.labels(rpc=route, code=str(status)).inc()
             m.request_duration_seconds.labels(rpc=route, code=str(status)).observe(elapsed)
 
@@ -318,11 +324,11 @@ class Gateway:
         if n:
             last = request.get("last_token")
             if last is None:
-                self.metrics.time_to_first_token_seconds.observe(now - request["start"])
+                self.metrics.gateway_time_to_first_token_seconds.observe(now - request["start"])
             else:
                 gap = (now - last) / n
                 for _ in range(n):
-                    self.metrics.time_per_output_token_seconds.observe(gap)
+                    self.metrics.gateway_inter_token_latency_seconds.observe(gap)
             request["last_token"] = now
         if message.finish_reason:
             self.metrics.prompt_tokens_total.inc(message.usage.prompt_tokens)
@@ -436,6 +442,11 @@ class Gateway:
         return latents_mod.from_file(data, "file")
 
     # -- /health ------------------------------------------------------------------------------------
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def health(self, request: web.Request) -> web.Response:
         services = {b.name: {"target": b.target, "status": b.status, **({"detail": b.detail} if b.detail else {})}
                     for b in self.backends}

@@ -265,7 +265,7 @@ class LLMEngine:
                 self.metrics.request_prefill_time_seconds.labels(model_name=self.model_name).observe(
                     now - state.scheduled_at)
         else:
-            self.metrics.time_per_output_token_seconds.observe(now - state.last_token_at)
+            self.metrics.inter_token_latency_seconds.observe(now - state.last_token_at)
         state.last_token_at = now
         self.metrics.generation_tokens_total.inc()
         if finish == "stop":  # EOS or a stop token: not part of the text
@@ -296,6 +296,8 @@ class LLMEngine:
         m.e2e_request_latency_seconds.labels(model_name=name).observe(now - state.arrival)
         if state.first_token_at is not None:
             m.request_decode_time_seconds.labels(model_name=name).observe(now - state.first_token_at)
+            if generation_tokens > 1:  # TPOT: the mean gap of this request's tokens after its first
+                m.time_per_output_token_seconds.observe((now - state.first_token_at) / (generation_tokens - 1))
         m.request_prompt_tokens.labels(model_name=name).observe(prompt_tokens)
         m.request_generation_tokens.labels(model_name=name).observe(generation_tokens)
         m.request_params_max_tokens.labels(model_name=name).observe(max_tokens)
