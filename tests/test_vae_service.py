@@ -202,6 +202,9 @@ def test_concurrent_requests_are_batched_and_answered_each_with_its_own_pixels(s
     batches = metric(proc, "modalmesh_batch_size_count") - batches_before
     assert 1 <= batches <= len(shapes)
     assert metric(proc, "modalmesh_attention_backend_info", component="vae") == 1
+    # a pool and a backend, as every service: the workspace budget, nothing in use between decodes
+    assert metric(proc, "modalmesh_kv_pool_capacity_tokens", pool="vae_workspace") > 0
+    assert metric(proc, "modalmesh_kv_pool_used_tokens", pool="vae_workspace") == 0
 
 
 def test_a_non_vae_checkpoint_fails_start_up_with_a_clear_error(tmp_path):

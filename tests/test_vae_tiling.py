@@ -135,3 +135,32 @@ def test_auto_tiles_beyond_the_threshold_or_the_memory_budget(engine):
         assert result.tiles == 9
     finally:
         eng.untiled_budget_bytes = 0
+
+
+def test_the_workspace_is_a_pool_in_the_shared_schema(engine):
+    """pool="vae_workspace", in bytes: the running decode's estimated activations against the untiled budget."""
+    from modalmesh.metrics import Metrics
+
+    base, _ = engine
+    metrics = Metrics("vae", process_metrics=False)
+    need = base.untiled_bytes(1, 16, 16)
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32, untiled_budget_bytes=4 * need,
+                    metrics=metrics)
+    pool = {"service": "vae", "pool": "vae_workspace"}
+    get = metrics.registry.get_sample_value
+    seen = []
+    run = eng._run
+    eng._run = lambda z: (seen.append((get("modalmesh_kv_pool_used_tokens", pool),
+                                       get("modalmesh_kv_pool_bytes", pool))), run(z))[1]
+    eng.warm_up()
+    assert get("modalmesh_kv_pool_capacity_tokens", pool) == 4 * need  # the budget for untiled decodes
+    assert get("modalmesh_kv_pool_used_tokens", pool) == 0 and get("modalmesh_kv_pool_usage_ratio", pool) == 0
+    seen.clear()
+    eng.decode(torch.randn(1, 4, 16, 16), TilingRequest(OFF))
+    assert seen == [(need, need)]  # in use while it ran
+    assert get("modalmesh_kv_pool_used_tokens", pool) == 0  # and given back
+    seen.clear()
+    eng.decode(torch.randn(1, 4, 16, 16), TilingRequest(ON, tile=8))  # tiled: one tile batch's workspace
+    tile_need = eng.untiled_bytes(min(9, eng.tiling.batch), 8, 8)
+    assert seen and all(s == (tile_need, tile_need) for s in seen)
+    assert get("modalmesh_kv_pool_page_size", pool) == 0

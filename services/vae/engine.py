@@ -61,11 +61,15 @@ class DecodeResult:
     notes: list[str] = field(default_factory=list)
 
 
+WORKSPACE_POOL = "vae_workspace"
+
+
 class VAEEngine:
     def __init__(self, cfg: VAEConfig, model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype,
                  tiling: TilingDefaults | None = None, max_batch: int = 8, channels_last: bool = False,
-                 untiled_budget_bytes: int = 0):
+                 untiled_budget_bytes: int = 0, metrics=None):
         self.cfg = cfg
+        self.metrics = metrics  # None: no workspace gauges (tests, benches)
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -195,16 +199,32 @@ class VAEEngine:
 
     def _decode(self, z: torch.Tensor, tiled: bool, req: TilingRequest) -> DecodeResult:
         b, _, h, w = z.shape
-        if tiled:
-            grid = self.grid(h, w, req)
-            z = z.to(self.device, torch.float32)
-            pixels = tiled_decode(self._run, z, grid, scale=self.cfg.scale_factor, tile_batch=self.tiling.batch)
-            return DecodeResult(pixels, grid.count)
-        step = self.max_batch
-        while step > 1 and not self.fits(step, h, w):
-            step //= 2
-        parts = [self._run(z[i:i + step]) for i in range(0, b, step)]
-        return DecodeResult(parts[0] if len(parts) == 1 else torch.cat(parts), 1)
+        try:
+            if tiled:
+                grid = self.grid(h, w, req)
+                self.publish_workspace(self.untiled_bytes(min(b * grid.count, self.tiling.batch), grid.tile_h,
+                                                          grid.tile_w))
+                z = z.to(self.device, torch.float32)
+                pixels = tiled_decode(self._run, z, grid, scale=self.cfg.scale_factor, tile_batch=self.tiling.batch)
+                return DecodeResult(pixels, grid.count)
+            step = self.max_batch
+            while step > 1 and not self.fits(step, h, w):
+                step //= 2
+            self.publish_workspace(self.untiled_bytes(min(step, b), h, w))
+            parts = [self._run(z[i:i + step]) for i in range(0, b, step)]
+            return DecodeResult(parts[0] if len(parts) == 1 else torch.cat(parts), 1)
+        finally:
+            self.publish_workspace(0)
+
+    def publish_workspace(self, used_bytes: int) -> None:
+        """The workspace as a pool (pool="vae_workspace", in bytes): the estimated activations of the decode
+        running now (0 when idle) against the budget an untiled decode must fit in, so the VAE shows a pool
+        in the same gauges as the LLM's KV pool and the encoders' caches."""
+        if self.metrics is None:
+            return
+        budget = self.budget_bytes() or 0
+        self.metrics.set_pool(WORKSPACE_POOL, capacity_tokens=budget, used_tokens=used_bytes, nbytes=used_bytes,
+                              page_size=0)
 
     def _release(self) -> None:
         if self.device.type == "cuda":
@@ -212,7 +232,7 @@ class VAEEngine:
 
     def warm_up(self) -> None:
         z = torch.zeros(1, self.cfg.latent_channels, 8, 8)
-        self.decode(z, TilingRequest(mode=OFF))
+        self.decode(z, TilingRequest(mode=OFF))  # its end publishes the idle workspace: a pool from the start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -82,7 +82,7 @@ class VAEDecoderService(Service):
                                 dummy=settings.dummy_weights, metrics=self.metrics)
         self.engine = VAEEngine(self.cfg, self.model, device=self.device, dtype=self.dtype, tiling=self.tiling,
                                 max_batch=settings.max_batch, channels_last=settings.channels_last,
-                                untiled_budget_bytes=settings.untiled_budget_bytes)
+                                untiled_budget_bytes=settings.untiled_budget_bytes, metrics=self.metrics)
         await asyncio.to_thread(self.engine.warm_up)
         self.batcher = DecodeBatcher(self._decode_jobs, max_queue=settings.max_queue, max_batch=settings.max_batch,
                                      metrics=self.metrics)
