@@ -263,20 +263,87 @@ def test_prometheus_discovers_every_replica_of_every_service():
     assert set(sd["names"]) == {*SERVICES.values(), "gateway"} and sd["type"] == "A" and sd["port"] == 9400
 
 
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "modalmesh.json"
+
+
+def _dashboard_exprs(dash: dict) -> list[tuple[str, str]]:
+    return [(panel["title"], target["expr"]) for panel in dash["panels"] for target in panel["targets"]]
+
+
 def test_grafana_dashboard_queries_only_metrics_that_exist():
     names = {spec.name for spec in SCHEMA}
-    dash = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "modalmesh.json").read_text())
-    ds = yaml.safe_load((ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
-    uid = ds["datasources"][0]["uid"]
+    dash = json.loads(DASHBOARD.read_text())
     used = set()
-    for panel in dash["panels"]:
-        assert panel["datasource"]["uid"] == uid
-        for target in panel["targets"]:
-            for metric in re.findall(r"\bmodalmesh_\w+", target["expr"]):
-                base = re.sub(r"_(bucket|sum|count)$", "", metric)
-                assert base in names, (panel["title"], metric)
-                used.add(base)
+    for title, expr in _dashboard_exprs(dash):
+        for metric in re.findall(r"\bmodalmesh_\w+", expr):
+            base = re.sub(r"_(bucket|sum|count)$", "", metric)
+            assert base in names, (title, metric)
+            used.add(base)
     assert {"modalmesh_requests_total", "modalmesh_kv_pool_usage_ratio", "modalmesh_attention_backend_info"} <= used
+
+
+def test_grafana_dashboard_imports_into_any_grafana():
+    """No datasource uid of ours: every panel and query goes through the `datasource` variable, which an
+    import (its __inputs) or the provisioned default fills; service / instance / model narrow every query."""
+    text = DASHBOARD.read_text()
+    dash = json.loads(text)
+    ds = yaml.safe_load((ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert ds["datasources"][0]["uid"] not in text  # the compose stack's uid is not baked in
+    (inp,) = dash["__inputs"]
+    assert inp["type"] == "datasource" and inp["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert {"datasource", "service", "instance", "model"} <= set(variables)
+    for name in ("service", "instance", "model"):
+        assert variables[name]["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+
+    def datasources(node):
+        if isinstance(node, dict):
+            if "datasource" in node:
+                yield node["datasource"]
+            for value in node.values():
+                yield from datasources(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from datasources(value)
+
+    for panel in dash["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], panel["title"]
+    assert all(d == {"type": "prometheus", "uid": "${datasource}"} for d in datasources(dash["panels"]))
+    for title, expr in _dashboard_exprs(dash):
+        assert 'instance=~"$instance"' in expr, (title, expr)
+        if "model_name" in expr:
+            assert 'model_name=~"$model"' in expr, (title, expr)
+    # the provisioned stack still resolves the variable: its one Prometheus is the default
+    assert ds["datasources"][0]["type"] == "prometheus" and ds["datasources"][0]["isDefault"] is True
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_grafana_dashboard_has_error_queue_preemption_panels_and_never_adds_the_two_ttfts():
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = dict()
+    for title, expr in _dashboard_exprs(dash):
+        exprs.setdefault(title, []).append(expr)
+    joined = {title: " ".join(e) for title, e in exprs.items()}
+    error = [t for t, e in joined.items() if "modalmesh_http_requests_total" in e and 'status=~"5.."' in e
+             and "code=~" in e]
+    assert error, "no error ratio panel"
+    assert any("modalmesh_request_queue_time_seconds" in e for e in joined.values())
+    assert any("modalmesh_num_preemptions_total" in e for e in joined.values())
+    for title, expr in _dashboard_exprs(dash):
+        # the engine's and the gateway's TTFT are one query each, never summed into one series
+        assert not ("modalmesh_gateway_time_to_first_token_seconds" in expr
+                    and re.search(r"\bmodalmesh_time_to_first_token_seconds", expr)), (title, expr)
+        if re.search(r"\bmodalmesh_time_to_first_token_seconds", expr):
+            assert 'service="llm"' in expr, (title, expr)  # older gateways exported the same name
+        if "modalmesh_requests_total" in expr:
+            assert 'service!="gateway"' in expr, (title, expr)  # the gateway's HTTP statuses are in modalmesh_http_*
+    ttft = [t for t, e in joined.items() if "modalmesh_gateway_time_to_first_token_seconds" in e]
+    assert ttft and all("modalmesh_time_to_first_token_seconds" in joined[t] for t in ttft)  # side by side
 
 
 # ---- image pins ------------------------------------------------------------------------------
