@@ -420,3 +420,57 @@ def test_compose_publishes_only_the_gateway_and_grafana_unless_told():
     assert published == {"gateway", "grafana"}
     extra = yaml.safe_load((ROOT / "docker-compose.publish.yml").read_text())["services"]
     assert {name for name, svc in extra.items() if svc.get("ports")} == {"llm", "vae", "prometheus"}
+
+
+# ---- the KEDA overlay: kubernetes-validate has no schema for KEDA's CRD, so its shape is checked here ----
+KEDA = K8S / "keda"
+# ScaledObject spec fields, keda.sh/v1alpha1 (KEDA 2.x).
+SCALED_OBJECT_FIELDS = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
+                        "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers"}
+
+
+def _keda_resources() -> tuple[list[dict], list[dict]]:
+    """(the base's resources, the overlay's own): the overlay is applied next to the base, into its namespace."""
+    kust = _kustomization(KEDA)
+    assert kust["namespace"] == _kustomization(K8S)["namespace"]
+    assert ".." not in kust["resources"]  # kustomize refuses a base that contains its overlay (a cycle)
+    return _base_resources(), [d for name in kust["resources"] for d in _docs(KEDA / name)]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+def test_keda_overlay_builds_with_kustomize():
+    out = subprocess.run(["kubectl", "kustomize", str(KEDA)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (so,) = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert so["kind"] == "ScaledObject" and so["metadata"]["namespace"] == "modalmesh"
+
+
+def test_keda_scaled_object_scales_the_vision_encoder_on_its_queue_depth():
+    base, own = _keda_resources()
+    (so,) = own
+    assert so["apiVersion"] == "keda.sh/v1alpha1" and so["kind"] == "ScaledObject"
+    assert set(so) == {"apiVersion", "kind", "metadata", "spec"} and so["metadata"]["name"]
+    spec = so["spec"]
+    assert set(spec) <= SCALED_OBJECT_FIELDS, set(spec) - SCALED_OBJECT_FIELDS
+    ref = spec["scaleTargetRef"]
+    target = _by_kind(base, "Deployment").get(ref["name"])
+    assert ref == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vision-encoder"} and target is not None
+    assert target["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "vision-encoder"
+    for key in ("minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod"):
+        assert isinstance(spec[key], int) and spec[key] >= 0, key
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert set(behavior) <= {"scaleUp", "scaleDown"}
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] in ("AverageValue", "Value", "Utilization")
+    meta = trigger["metadata"]
+    assert all(isinstance(v, str) for v in meta.values()), meta  # KEDA's trigger metadata is strings only
+    assert {"serverAddress", "query", "threshold"} <= set(meta)
+    assert re.fullmatch(r"https?://[\w.-]+(:\d+)?/?", meta["serverAddress"])
+    assert float(meta["threshold"]) > 0
+    # the query reads the vision encoder's queue, under the names the service exports
+    metrics = re.findall(r"\bmodalmesh_\w+", meta["query"])
+    assert metrics == ["modalmesh_queue_depth"] and all(m in {s.name for s in SCHEMA} for m in metrics)
+    assert f'service="{SERVICES["vision-encoder"]}"' in meta["query"]
+    # the pods it counts are the ones Prometheus scrapes
+    assert target["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
