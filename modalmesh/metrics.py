@@ -53,9 +53,11 @@ SCHEMA: tuple[MetricSpec, ...] = (
                ("model_id", "version", "dtype", "device")),
     MetricSpec("modalmesh_ready", "gauge", "1 while health is SERVING, else 0."),
     # RPCs.
-    MetricSpec("modalmesh_requests_total", "counter", "RPCs finished, by method and gRPC status code.",
+    MetricSpec("modalmesh_requests_total", "counter", "RPCs finished, by method and gRPC status code (the gateway's, deprecated: "
+               "HTTP route and status; use modalmesh_http_requests_total).",
                ("rpc", "code")),
-    MetricSpec("modalmesh_request_duration_seconds", "histogram", "RPC wall time, by method and status code.",
+    MetricSpec("modalmesh_request_duration_seconds", "histogram", "RPC wall time, by method and status code (the gateway's, deprecated: "
+               "use modalmesh_http_request_duration_seconds).",
                ("rpc", "code"), _LATENCY),
     MetricSpec("modalmesh_requests_in_flight", "gauge", "RPCs being handled now.", ("rpc",)),
     MetricSpec("modalmesh_queue_depth", "gauge", "Work items waiting to be scheduled."),
@@ -67,8 +69,7 @@ SCHEMA: tuple[MetricSpec, ...] = (
     MetricSpec("modalmesh_prompt_tokens_total", "counter", "Prompt tokens prefilled."),
     MetricSpec("modalmesh_generation_tokens_total", "counter", "Tokens generated."),
     MetricSpec("modalmesh_time_to_first_token_seconds", "histogram",
-               "LLM engine: request arrival to first output token (the gateway's is "
-               "modalmesh_gateway_time_to_first_token_seconds).", (), _LATENCY),
+               "LLM engine: request arrival at the engine to first output token.", (), _LATENCY),
     MetricSpec("modalmesh_time_per_output_token_seconds", "histogram",
                "LLM engine: per request, (last token - first token) / (output tokens - 1), observed once when it "
                "finishes with 2 or more tokens.", (), _TOKEN_LATENCY),
@@ -143,8 +144,8 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "Calls rerouted from the selected backend to another one.",
                ("component", "from", "to", "reason")),
     # Token / embedding pools: the LLM's KV pool ("kv"), encoders' embedding cache.
-    MetricSpec("modalmesh_kv_pool_capacity_tokens", "gauge", "Tokens (or cached rows) the pool can hold.", ("pool",)),
-    MetricSpec("modalmesh_kv_pool_used_tokens", "gauge", "Tokens (or cached rows) held now.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_capacity_tokens", "gauge", "Tokens (or cached rows; bytes for vae_workspace) the pool can hold.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_used_tokens", "gauge", "Tokens (or cached rows; bytes for vae_workspace) held now.", ("pool",)),
     MetricSpec("modalmesh_kv_pool_usage_ratio", "gauge", "used / capacity.", ("pool",)),
     MetricSpec("modalmesh_kv_pool_bytes", "gauge", "Bytes reserved by the pool.", ("pool",)),
     MetricSpec("modalmesh_kv_pool_page_size", "gauge", "Tokens per page (0 when not paged).", ("pool",)),
