@@ -270,3 +270,39 @@ def test_request_metrics_count_preemptions_and_aborts(tokenizer):
     assert _sample(engine2, "modalmesh_request_prompt_tokens_sum") == 2
     assert _sample(engine2, "modalmesh_request_params_max_tokens_sum") == 12
     assert 1 <= _sample(engine2, "modalmesh_request_generation_tokens_sum") < 12
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_counted_as_error(tokenizer):
+    """Also a request whose length ends with the failed step: it was finished when the step was
+    launched, and still gets its error (it once waited forever)."""
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script, "b": script}, log)
+    engine.model_name = "tiny"
+    submit = runner.submit
+
+    def failing(step, previous=None):
+        inflight = submit(step, previous)
+        if runner.steps == 2:  # the second step: "a" (max_tokens 2) ends with it, "b" does not
+            inflight.wait = lambda: (_ for _ in ()).throw(RuntimeError("device fell over"))
+        return inflight
+
+    runner.submit = failing
+    outs = {name: queue.Queue() for name in ("a", "b")}
+    for name, n in (("a", 2), ("b", 8)):
+        engine.add(name, PreparedPrompt([5, 6]), SamplingParams(temperature=0.0, max_tokens=n), outs[name].put)
+    engine.start()
+    try:
+        last = {}
+        for name, out in outs.items():
+            while True:
+                d = out.get(timeout=30)
+                if d.finish_reason:
+                    last[name] = d
+                    break
+    finally:
+        engine.stop()
+    assert all(isinstance(d.error, RuntimeError) for d in last.values()), last
+    assert _sample(engine, "modalmesh_requests_finished_total", finished_reason="error") == 2
+    assert _sample(engine, "modalmesh_requests_finished_total", finished_reason="length") is None
+    assert engine.pool.allocator.used_tokens == 0

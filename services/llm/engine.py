@@ -198,7 +198,8 @@ class LLMEngine:
             sampled = inflight.wait()
         except Exception as exc:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
             log.exception("engine step failed")
-            self._fail([c.seq for c in inflight.step.chunks], exc)
+            # Its sequences ended by length at launch are finished but have not been told: they get the error.
+            self._fail([c.seq for c in inflight.step.chunks], exc, unannounced=inflight.ending)
             return None
         self.phase_seconds["model"] += time.perf_counter() - t0
         return sampled
@@ -302,10 +303,12 @@ class LLMEngine:
         m.request_generation_tokens.labels(model_name=name).observe(generation_tokens)
         m.request_params_max_tokens.labels(model_name=name).observe(max_tokens)
 
-    def _fail(self, seqs: list[Sequence[RequestState]], exc: BaseException, reason: str = "error") -> None:
-        """End `seqs` with `exc`; `reason` is the finished-requests label (error: a step failed)."""
+    def _fail(self, seqs: list[Sequence[RequestState]], exc: BaseException, reason: str = "error",
+              unannounced=()) -> None:
+        """End `seqs` with `exc`; `reason` is the finished-requests label (error: a step failed).
+        `unannounced`: ids of sequences already finished whose last delta is still to be sent."""
         for seq in seqs:
-            if seq.status is SeqStatus.FINISHED:
+            if seq.status is SeqStatus.FINISHED and (seq.seq_id not in unannounced or seq.state.finished):
                 continue
             self._live.pop(seq.seq_id, None)
             self.scheduler.finish(seq, "abort")
