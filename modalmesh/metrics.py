@@ -53,11 +53,13 @@ SCHEMA: tuple[MetricSpec, ...] = (
                ("model_id", "version", "dtype", "device")),
     MetricSpec("modalmesh_ready", "gauge", "1 while health is SERVING, else 0."),
     # RPCs.
-    MetricSpec("modalmesh_requests_total", "counter", "RPCs finished, by method and gRPC status code (the gateway's, deprecated: "
-               "HTTP route and status; use modalmesh_http_requests_total).",
+    MetricSpec("modalmesh_requests_total", "counter",
+               "RPCs finished, by method and gRPC status code (the gateway's, deprecated: HTTP route and status; "
+               "use modalmesh_http_requests_total).",
                ("rpc", "code")),
-    MetricSpec("modalmesh_request_duration_seconds", "histogram", "RPC wall time, by method and status code (the gateway's, deprecated: "
-               "use modalmesh_http_request_duration_seconds).",
+    MetricSpec("modalmesh_request_duration_seconds", "histogram",
+               "RPC wall time, by method and status code (the gateway's, deprecated: use "
+               "modalmesh_http_request_duration_seconds).",
                ("rpc", "code"), _LATENCY),
     MetricSpec("modalmesh_requests_in_flight", "gauge", "RPCs being handled now.", ("rpc",)),
     MetricSpec("modalmesh_queue_depth", "gauge", "Work items waiting to be scheduled."),
@@ -144,8 +146,10 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "Calls rerouted from the selected backend to another one.",
                ("component", "from", "to", "reason")),
     # Token / embedding pools: the LLM's KV pool ("kv"), encoders' embedding cache.
-    MetricSpec("modalmesh_kv_pool_capacity_tokens", "gauge", "Tokens (or cached rows; bytes for vae_workspace) the pool can hold.", ("pool",)),
-    MetricSpec("modalmesh_kv_pool_used_tokens", "gauge", "Tokens (or cached rows; bytes for vae_workspace) held now.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_capacity_tokens", "gauge",
+               "Tokens (or cached rows; bytes for vae_workspace) the pool can hold.", ("pool",)),
+    MetricSpec("modalmesh_kv_pool_used_tokens", "gauge", "Tokens (or cached rows; bytes for vae_workspace) held now.",
+               ("pool",)),
     MetricSpec("modalmesh_kv_pool_usage_ratio", "gauge", "used / capacity.", ("pool",)),
     MetricSpec("modalmesh_kv_pool_bytes", "gauge", "Bytes reserved by the pool.", ("pool",)),
     MetricSpec("modalmesh_kv_pool_page_size", "gauge", "Tokens per page (0 when not paged).", ("pool",)),

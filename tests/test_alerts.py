@@ -55,7 +55,8 @@ def test_prometheus_loads_the_rules_and_the_image_carries_them():
     assert job  # ModalmeshReplicaDown watches up{job="modalmesh"}
     assert re.search(r"^COPY prometheus\.yml alerts\.yml /etc/prometheus/$", (PROM / "Dockerfile").read_text(), re.M)
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose["services"]["prometheus"]["volumes"]
+    volumes = compose["services"]["prometheus"]["volumes"]
+    assert "./deploy/prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in volumes
     tests = yaml.safe_load((PROM / "alerts.test.yml").read_text())
     assert tests["rule_files"] == ["alerts.yml"]
     tested = {t["alertname"] for case in tests["tests"] for t in case.get("alert_rule_test", [])}

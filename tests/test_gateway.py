@@ -693,7 +693,8 @@ def test_http_metrics_have_their_own_status_label_and_are_on_the_http_port(scrip
     assert metric(gw.metrics_port, "modalmesh_time_to_first_token_seconds_count") == 0
     assert metric(gw.metrics_port, "modalmesh_inter_token_latency_seconds_count") == 0
     # --metrics-buckets 0.5,30,7200 made the request-duration buckets
-    bounds = {s.labels["le"] for s in scrape(gw.metrics_port) if s.name == "modalmesh_http_request_duration_seconds_bucket"}
+    bounds = {s.labels["le"] for s in scrape(gw.metrics_port)
+              if s.name == "modalmesh_http_request_duration_seconds_bucket"}
     assert bounds == {"0.5", "30.0", "7200.0", "+Inf"}
 
 

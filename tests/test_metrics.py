@@ -77,7 +77,8 @@ def test_metrics_buckets_override_the_request_latency_histograms_only():
     default = Metrics("llm", process_metrics=False)
     default.e2e_request_latency_seconds.labels(model_name="m").observe(5400)  # 1.5 h: a bucket, not only +Inf
     get = default.registry.get_sample_value
-    assert get("modalmesh_e2e_request_latency_seconds_bucket", {"service": "llm", "model_name": "m", "le": "7200.0"}) == 1
+    labels = {"service": "llm", "model_name": "m", "le": "7200.0"}
+    assert get("modalmesh_e2e_request_latency_seconds_bucket", labels) == 1
     m = Metrics("llm", process_metrics=False, options=MetricsOptions.from_flags("1, 60,3600"))
     m.e2e_request_latency_seconds.labels(model_name="m").observe(30)
     m.time_to_first_token_seconds.observe(0.01)
