@@ -81,7 +81,8 @@ def test_one_requests_trace_spans_gateway_llm_and_vision_encoder_correctly_paren
         procs.append(llm)
         llm.wait_listening()
         gw = GatewayProcess(["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace-period", "10",
-                             *traced, "--llm", llm.target], env=FAST_EXPORT).start()
+                             *traced, "--llm", llm.target, "--log-format", "json", "--log-level", "DEBUG"],
+                            env=FAST_EXPORT).start()
         procs.append(gw)
         for p in procs:
             p.wait_serving(timeout=180)
@@ -132,7 +133,12 @@ def test_one_requests_trace_spans_gateway_llm_and_vision_encoder_correctly_paren
     # Every span of the request is in the one trace; nothing of it was exported under another trace id.
     assert all(span.parent_span_id.hex() in by_id for _, span in ours if span is not gateway)
 
-    # The LLM's JSON log: one object a line, and its request's record carries the gateway's request id.
-    records = [json.loads(line) for line in llm.lines if line.startswith("{")]
-    assert records and len(records) == sum(1 for line in llm.lines if line.strip())
-    assert any(r.get("request_id") == "trace-test-1" and r["message"].startswith("generate ") for r in records)
+    # JSON logs, one object a line: the gateway's access line and the LLM's record of the request both carry
+    # the client's request id (the LLM got it in the Generate call's metadata), and the trace id.
+    logged = {}
+    for name, p in (("gateway", gw), ("llm", llm)):
+        logged[name] = [json.loads(line) for line in p.lines if line.strip()]
+    access = [r for r in logged["gateway"] if r["message"].startswith("POST /v1/chat/completions 200 ")]
+    assert [(r["request_id"], r["trace_id"]) for r in access] == [("trace-test-1", TRACE_ID)]
+    assert any(r.get("request_id") == "trace-test-1" and r.get("trace_id") == TRACE_ID
+               and r["message"].startswith("generate ") for r in logged["llm"])

@@ -171,6 +171,8 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         """The call's request id and server span (a no-op scope while tracing is off), entered."""
         metadata = context.invocation_metadata() or ()
         token = tracing.request_id.set(tracing.request_id_from(metadata))
+        if not tracing.enabled():  # no span scope to make per call while tracing is off
+            return token, None, None
         scope = tracing.span(self._span_names.get(rpc, rpc), parent=tracing.extract(metadata), kind="server",
                              attributes={"rpc.system": "grpc", "rpc.method": rpc})
         return token, scope, scope.__enter__()
@@ -178,6 +180,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     def _exit_request(entered, outcome: _Outcome) -> None:
         token, scope, current = entered
+        if scope is None:
+            with contextlib.suppress(ValueError):
+                tracing.request_id.reset(token)
+            return
         tracing.set_attributes(current, **{"rpc.grpc.status_code": outcome.code})
         if outcome.code not in ("OK", "CANCELLED"):
             tracing.record_error(current, RuntimeError(outcome.code))

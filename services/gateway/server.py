@@ -226,9 +226,11 @@ class Gateway:
             tracing.set_attributes(current, **{"http.response.status_code": status})
             if status >= 500:
                 tracing.record_error(current, RuntimeError(f"HTTP {status}"))
+            elapsed = time.perf_counter() - start
+            # The request's one line, with its request id and trace id: DEBUG, as an access log.
+            log.debug("%s %s %d %.3fs", request.method, request.path, status, elapsed)
             scope.__exit__(None, None, None)
             tracing.request_id.reset(rid_token)
-            elapsed = time.perf_counter() - start
             m.requests_in_flight.labels(rpc=route).dec()
             m.requests_total.labels(rpc=route, code=str(status)).inc()
             m.request_duration_seconds.labels(rpc=route, code=str(status)).observe(elapsed)
