@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import threading
+import urllib.error
 import urllib.request
 from concurrent import futures
 
@@ -101,6 +102,10 @@ def test_one_requests_trace_spans_gateway_llm_and_vision_encoder_correctly_paren
         # A request without an id gets one of the gateway's, in its response.
         with urllib.request.urlopen(f"{gw.base_url}/v1/models", timeout=30) as response:
             assert len(response.headers["X-Request-Id"]) == 32
+        with pytest.raises(urllib.error.HTTPError) as refused:  # errors echo it too
+            urllib.request.urlopen(urllib.request.Request(f"{gw.base_url}/v1/nowhere",
+                                                          headers={"X-Request-Id": "lost-1"}), timeout=30)
+        assert refused.value.code == 404 and refused.value.headers["X-Request-Id"] == "lost-1"
     finally:
         for p in reversed(procs):
             p.send_sigterm()
