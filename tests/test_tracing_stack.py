@@ -111,6 +111,9 @@ def test_one_requests_trace_spans_gateway_llm_and_vision_encoder_correctly_paren
             p.send_sigterm()
         codes = [p.terminate(timeout=60) for p in reversed(procs)]  # exit flushes what is still batched
     assert codes == [0, 0, 0], [p.log_tail() for p in procs]
+    # A span's context is attached and detached in the same task (streams included): OpenTelemetry logs
+    # "Failed to detach context" otherwise; and the exporter reached the collector.
+    assert not [line for p in procs for line in p.lines if "detach" in line or "Failed to export" in line]
 
     ours = [(service, span) for service, span in keeper.spans if span.trace_id.hex() == TRACE_ID]
     by_id = {span.span_id.hex(): (service, span) for service, span in ours}
