@@ -172,12 +172,13 @@ def set_attributes(current, **attributes) -> None:
         current.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
-def record_error(current, exc: BaseException) -> None:
+def mark_error(current, description: str) -> None:
+    """Status ERROR on `current` (None: tracing off), with a short description ("INTERNAL", "HTTP 503")."""
     if current is None:
         return
     from opentelemetry.trace import Status, StatusCode
 
-    current.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200]))
+    current.set_status(Status(StatusCode.ERROR, description[:200]))
 
 
 def now_ns() -> int:

@@ -184,7 +184,7 @@ def test_without_a_traceparent_the_server_span_starts_a_trace_and_an_error_marks
 
     asyncio.run(body())
     (server,) = exporter.get_finished_spans()
-    assert server.parent is None and server.status.status_code.name == "ERROR"
+    assert server.parent is None and server.status.status_code.name == "ERROR" and server.status.description == "INTERNAL"
     assert server.attributes["rpc.grpc.status_code"] == "INTERNAL"
 
 

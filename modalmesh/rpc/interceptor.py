@@ -186,7 +186,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             return
         tracing.set_attributes(current, **{"rpc.grpc.status_code": outcome.code})
         if outcome.code not in ("OK", "CANCELLED"):
-            tracing.record_error(current, RuntimeError(outcome.code))
+            tracing.mark_error(current, outcome.code)
         scope.__exit__(None, None, None)
         # A stream closed from another context (aclose by grpc) cannot reset its own token: nothing to undo there.
         with contextlib.suppress(ValueError):

@@ -225,7 +225,7 @@ class Gateway:
         finally:
             tracing.set_attributes(current, **{"http.response.status_code": status})
             if status >= 500:
-                tracing.record_error(current, RuntimeError(f"HTTP {status}"))
+                tracing.mark_error(current, f"HTTP {status}")
             elapsed = time.perf_counter() - start
             # The request's one line, with its request id and trace id: DEBUG, as an access log.
             log.debug("%s %s %d %.3fs", request.method, request.path, status, elapsed)
