@@ -3,6 +3,7 @@
     parser = EnvArgumentParser(prog="python -m services.gateway", description=...)
     add_process_arguments(parser, port=8000, protocol="HTTP")  # --host --port --metrics-port
                                                                # --grace-period --log-level
+                                                               # --log-format --otlp-traces-endpoint
     args = parser.parse_args()                                 # MODALMESH_PORT=9000 sets --port's default
 
 Every option defaults to the environment variable ``MODALMESH_<DEST>`` when it is set
@@ -21,6 +22,7 @@ ENV_PREFIX = "MODALMESH_"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")  # --log-format (modalmesh.logs)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype (modalmesh.service maps them to torch dtypes)
 
 
@@ -108,6 +110,12 @@ def add_process_arguments(parser: argparse.ArgumentParser, *, port: int, protoco
     parser.add_argument("--grace-period", type=float, default=30.0,
                         help=f"seconds in-flight {what} get to finish on SIGTERM")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="log level")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text: one readable line per record; json: one JSON object per line (with the "
+                             "request id where known), for log collectors")
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                        help="send OpenTelemetry traces to this OTLP/gRPC collector, e.g. http://otel-collector:4317 "
+                             "(needs pip install 'modalmesh[tracing]'; default: tracing off)")
 
 
 def service_parser(service: str, description: str, *, max_message_mb: int = 64) -> argparse.ArgumentParser:

@@ -25,8 +25,10 @@ import modalmesh
 from modalmesh import attention
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
+from modalmesh import tracing
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError, Unavailable
 from modalmesh.flags import DTYPE_NAMES, env_name, service_parser
+from modalmesh.logs import configure_logging
 from modalmesh.process import die_with_parent
 from modalmesh.rpc.security import INSECURE, Security
 from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerConfig, serve_until_signal
@@ -157,15 +159,13 @@ def run_process(name: str, parser: argparse.ArgumentParser,
     """
     die_with_parent()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(name, level=args.log_level, fmt=getattr(args, "log_format", "text"))
     try:
         # The flags' value flows down into the registry (buckets are fixed when a histogram is made).
         options = metrics_mod.MetricsOptions.from_flags(args.metrics_buckets)
         metrics = metrics_mod.install(metrics_mod.Metrics(name, options=options))
+        # Before the service is built: --otlp-traces-endpoint without the [tracing] extra is exit 2 here.
+        tracing.start(tracing.TracingConfig.from_args(args, service=name))
         serve = setup(args, metrics)
     except ConfigError as exc:
         log.error("%s", exc)
@@ -177,6 +177,8 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         log.error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        tracing.stop()  # the spans the batch processor still holds go out before exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code

@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from modalmesh import pb
+from modalmesh import tracing
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import describe, nbytes
 from modalmesh.rpc.servicer import ForwardingServicer
@@ -211,6 +212,7 @@ class EncoderService(Service):
             raise InvalidArgument(f"items: {n} items exceed --max-items-per-request {self.config.max_items_per_request}")
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
+        started_ns = tracing.now_ns()  # wall clock, for the stages' spans (no-ops while tracing is off)
         keys = await asyncio.gather(
             *(loop.run_in_executor(self._pool, self.model.cache_key, item, i) for i, item in enumerate(request.items))
         )
@@ -242,10 +244,14 @@ class EncoderService(Service):
                 misses[p.cache_key] = [i]
                 by_key[p.cache_key] = p
         stages = {"prepare": time.perf_counter() - started}
+        mark_ns = tracing.now_ns()
+        tracing.timed_span("encoder.prepare", started_ns, mark_ns, {"modalmesh.items": n, "modalmesh.prepared": len(todo)})
         if misses:
             mark = time.perf_counter()
             encoded = await self.batcher.submit([by_key[key] for key in misses])
             stages["batch"] = time.perf_counter() - mark
+            # Queued in the batcher and run in a batch, maybe with other requests' items.
+            tracing.timed_span("encoder.forward", mark_ns, tracing.now_ns(), {"modalmesh.items": len(misses)})
             for (key, indices), answer in zip(misses.items(), encoded):
                 self.cache.put(key, answer)
                 for i in indices:
@@ -258,12 +264,14 @@ class EncoderService(Service):
         self.metrics.encoded_items_total.labels(modality=modality).inc(n)
         outgoing = self.sender.plan(out, request.transfer if request.HasField("transfer") else None)
         mark = time.perf_counter()
+        transfer_ns = tracing.now_ns()
         # Answers that go by CUDA IPC do not wait for their batch here: the reader's copy waits on the GPU.
         if await self.sender.ready(outgoing.waiting) or (misses and outgoing.waiting):
             stages["device"] = time.perf_counter() - mark  # a hit may be an answer of a batch still running, too
         mark = time.perf_counter()
         answer = await self.sender.send(response, outgoing)
         stages["respond"] = time.perf_counter() - mark
+        tracing.timed_span("encoder.transfer", transfer_ns, tracing.now_ns())
         for stage, seconds in stages.items():
             self.metrics.encode_stage_seconds.labels(stage=stage).observe(seconds)
         return answer

@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -37,6 +38,7 @@ from aiohttp import web
 import modalmesh
 from modalmesh import metrics as metrics_mod
 from modalmesh import pb
+from modalmesh import tracing
 from modalmesh.service import PortInUse, run_process, start_metrics_exporter
 from services.gateway import latents as latents_mod
 from services.gateway import protocol
@@ -186,6 +188,14 @@ class Gateway:
         start = time.perf_counter()
         request["start"] = start
         status = 500
+        # The client's X-Request-Id, or ours: echoed in the response, sent to the LLM, in every log record.
+        rid = request["request_id"] = tracing.request_id_from(request.headers) or uuid.uuid4().hex
+        rid_token = tracing.request_id.set(rid)
+        # A server span, child of the client's W3C traceparent when it sent one (no-op while tracing is off).
+        scope = tracing.span(f"{request.method} {route}", parent=tracing.extract(request.headers), kind="server",
+                             attributes={"http.request.method": request.method, "http.route": route,
+                                         "modalmesh.request_id": rid})
+        current = scope.__enter__()
         try:
             if self.config.api_key and request.path.startswith("/v1/"):
                 given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -195,25 +205,35 @@ class Gateway:
             with self._body_budget(request):
                 response = await handler(request)
             status = request.get("status_override", response.status)
+            if not response.prepared:  # a stream sent its headers already, X-Request-Id among them
+                response.headers["X-Request-Id"] = rid
             return response
         except APIError as err:
             status = err.status
-            return error_response(err, headers=err.headers)
+            return error_response(err, headers={**(err.headers or {}), "X-Request-Id": rid})
         except web.HTTPException as exc:  # unknown route, wrong method, body over --max-request-mb
             status = exc.status
             message = {404: f"no route {request.method} {request.path}",
                        413: f"request body over {self.config.max_request_mb:g} MB (--max-request-mb)"}.get(
                            exc.status, exc.reason)
             return error_response(APIError(exc.status, message), headers={
-                k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+                **{k: v for k, v in exc.headers.items() if k.lower() == "allow"}, "X-Request-Id": rid})
         except asyncio.CancelledError:
             status = CLIENT_CLOSED  # the client went away (or the drain ran out of time)
             raise
         except Exception:  # noqa: BLE001 - logged here, never sent to the client
             log.exception("unexpected error in %s %s", request.method, request.path)
-            return error_response(APIError(500, f"internal error in {route} (details in the gateway log)"))
+            return error_response(APIError(500, f"internal error in {route} (details in the gateway log)"),
+                                  headers={"X-Request-Id": rid})
         finally:
+            tracing.set_attributes(current, **{"http.response.status_code": status})
+            if status >= 500:
+                tracing.mark_error(current, f"HTTP {status}")
             elapsed = time.perf_counter() - start
+            # The request's one line, with its request id and trace id: DEBUG, as an access log.
+            log.debug("%s %s %d %.3fs", request.method, request.path, status, elapsed)
+            scope.__exit__(None, None, None)
+            tracing.request_id.reset(rid_token)
             m.requests_in_flight.labels(rpc=route).dec()
             m.http_requests_total.labels(route=route, status=str(status)).inc()
             m.http_request_duration_seconds.labels(route=route, status=str(status)).observe(elapsed)
@@ -281,7 +301,8 @@ class Gateway:
         parsed = await asyncio.to_thread(parse) if (request.content_length or 0) > PARSE_IN_THREAD_BYTES else parse()
         fingerprint = llm.info.weights_fingerprint or None
         timeout = self.config.request_timeout or None
-        call = llm.stub.Generate(parsed.grpc, timeout=timeout)
+        # The request id and the trace context go to the LLM in the call's metadata.
+        call = llm.stub.Generate(parsed.grpc, timeout=timeout, metadata=tracing.outgoing_metadata())
         try:
             first = await self._read(call, parsed.item_params)
             if first is grpc.aio.EOF:
@@ -298,7 +319,7 @@ class Gateway:
                 if acc.finish_reason is None:
                     raise APIError(500, "the LLM ended the stream without a finish reason")
                 return web.json_response(protocol.completion_body(kind, rid, model, acc, fingerprint),
-                                         headers={"X-Request-Id": rid},
+                                         headers={"X-Request-Id": request["request_id"]},
                                          dumps=lambda o: json.dumps(o, ensure_ascii=False))
             return await self._stream(request, call, first, acc, parsed, rid, model, fingerprint)
         finally:
@@ -335,7 +356,7 @@ class Gateway:
             self.metrics.generation_tokens_total.inc(message.usage.completion_tokens)
 
     async def _stream(self, request, call, first, acc, parsed, rid, model, fingerprint) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": rid})
+        response = web.StreamResponse(status=200, headers={**SSE_HEADERS, "X-Request-Id": request["request_id"]})
         chunks = protocol.ChunkMaker(parsed.kind, rid, model, parsed.include_usage, fingerprint)
         try:
             await response.prepare(request)
@@ -413,7 +434,8 @@ class Gateway:
             tensor = latents_mod.from_file(data)
         decode, fmt = latents_mod.decode_request(tensor, options)
         try:
-            reply = await vae.stub.Decode(decode, timeout=self.config.decode_timeout)
+            reply = await vae.stub.Decode(decode, timeout=self.config.decode_timeout,
+                                          metadata=tracing.outgoing_metadata())
         except grpc.RpcError as exc:
             raise from_grpc(exc, "vae") from None
         if fmt == "png":

@@ -64,6 +64,7 @@ class LLMConfig:
     encoders: EncoderTargets = EncoderTargets()
     limits: RequestLimits = RequestLimits()
     log_level: str = "INFO"
+    log_format: str = "text"  # --log-format, for the rank processes too (modalmesh.logs)
 
     def __post_init__(self):
         if self.device_type not in ("cpu", "cuda"):
@@ -120,5 +121,5 @@ class LLMConfig:
                                     max_message_bytes=args.max_message_mb << 20, security=security),
             limits=RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                  max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
-            log_level=args.log_level,
+            log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
         )

@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from modalmesh import pb
+from modalmesh import tracing
 from modalmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, ModalmeshError, Unavailable
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.channel import MiB, aio_channel
@@ -100,7 +101,9 @@ class EncoderPool:
             try:
                 # Not wait_for_ready: with every replica down (the channel in TRANSIENT_FAILURE) the call fails
                 # at once instead of holding the request to its deadline; while connecting it still waits.
-                parsed = await self._encode(request, timeout=remaining, wait_for_ready=False)
+                # The Generate's request id and trace context: the encoder's span joins the request's trace.
+                parsed = await self._encode(request, timeout=remaining, wait_for_ready=False,
+                                            metadata=tracing.outgoing_metadata())
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE and attempt < _MAX_ATTEMPTS:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import uuid
 
 
 from modalmesh import pb
+from modalmesh import tracing
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, InvalidArgument, ModalmeshError
 from modalmesh.image_grid import ImageGrid
@@ -28,6 +30,7 @@ from services.llm.sampling import SamplingParams
 from services.llm.runner import ModelRunner
 
 _FINISH = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.ABORT}
+log = logging.getLogger("modalmesh.llm")
 
 
 class LLMService(Service):
@@ -146,7 +149,9 @@ class LLMService(Service):
                 raise InvalidArgument(f"the prompt takes at least {need} tokens with its items' rows (counted "
                                       f"before encoding){f' + max_tokens {params.max_tokens}' if params.max_tokens else ''}"
                                       f"; this model's limit is {limit} tokens (prompt + output)")
-        embeddings = await self.fanout.resolve(items, timeout)  # each on self.device
+        # The encoders' Encode spans are children of this one (their calls carry its traceparent).
+        with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items)}):
+            embeddings = await self.fanout.resolve(items, timeout)  # each on self.device
         prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.engine.runner.uses_mrope,
                               spatial_merge=self.spatial_merge)
         for span in prompt.spans:
@@ -154,13 +159,20 @@ class LLMService(Service):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[Delta] = asyncio.Queue()
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        added_ns = tracing.now_ns()
         self.engine.add(rid, prompt, params, thread_safe_emitter(loop, out))
+        log.debug("generate %s: %d prompt tokens, max_tokens %s", rid, len(prompt.token_ids), params.max_tokens or "-")
+        first_token_ns = None
         finished = False
         try:
             while not finished:
                 deltas = [await out.get()]
                 while not out.empty():  # behind the engine: send what has piled up as one message
                     deltas.append(out.get_nowait())
+                if first_token_ns is None:
+                    first_token_ns = tracing.now_ns()
+                    # The engine thread does not say when a request left the queue: one span up to the first token.
+                    tracing.timed_span("llm.queue_and_prefill", added_ns, first_token_ns)
                 delta = _merge(deltas)
                 if delta.error is not None:
                     finished = True
@@ -170,6 +182,8 @@ class LLMService(Service):
                 finished = delta.finish_reason is not None
                 yield _response(delta)
         finally:
+            if first_token_ns is not None:
+                tracing.timed_span("llm.decode", first_token_ns, tracing.now_ns(), {"modalmesh.finished": finished})
             if not finished:  # cancelled: the client went away or the deadline passed
                 self.engine.abort(rid)
 

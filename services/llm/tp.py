@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from modalmesh import distributed
+from modalmesh.logs import configure_logging
 from modalmesh.process import set_parent_death_signal
 from services.llm.config import LLMConfig
 
@@ -31,8 +32,7 @@ log = logging.getLogger(__name__)
 
 def _rank_main(config: LLMConfig, parent: int) -> None:
     _die_with(parent)
-    logging.basicConfig(level=config.log_level,
-                        format=f"%(asctime)s %(levelname)s llm-rank{config.rank} %(name)s: %(message)s")
+    configure_logging(f"llm-rank{config.rank}", level=config.log_level, fmt=config.log_format)
     from services.llm.runner import ModelRunner
 
     code = 1
