@@ -133,8 +133,13 @@ def test_one_requests_trace_spans_gateway_llm_and_vision_encoder_correctly_paren
     encode = one("vision_encoder", "modalmesh.v1.EncoderService/Encode")
     assert gateway.parent_span_id.hex() == CLIENT_SPAN_ID  # the incoming traceparent was honoured
     assert parent_of(generate) is gateway and parent_of(encode_items) is generate and parent_of(encode) is encode_items
-    for stage in ("llm.queue_and_prefill", "llm.decode"):
-        assert parent_of(one("llm", stage)) is generate
+    stages = [one("llm", stage) for stage in ("llm.queue", "llm.prefill", "llm.decode")]
+    for stage in stages:
+        assert parent_of(stage) is generate
+    # One after another: queued until the engine's first step with the request, prefill to its first token.
+    for before, after in zip(stages, stages[1:]):
+        assert before.start_time_unix_nano <= before.end_time_unix_nano == after.start_time_unix_nano
+    assert generate.start_time_unix_nano <= stages[0].start_time_unix_nano
     for stage in ("encoder.prepare", "encoder.forward", "encoder.transfer"):
         assert parent_of(one("vision_encoder", stage)) is encode
     assert {service for service, _ in ours} == {"gateway", "llm", "vision_encoder"}

@@ -259,7 +259,8 @@ class LLMEngine:
                   now: float) -> Delta:
         state = seq.state
         params = state.params
-        if state.last_token_at is None:
+        first = state.last_token_at is None
+        if first:
             self.metrics.time_to_first_token_seconds.observe(now - state.arrival)
             state.first_token_at = now
             if state.scheduled_at is not None:
@@ -278,6 +279,8 @@ class LLMEngine:
             elif finish == "length":
                 text += state.detokenizer.finish()
         delta = Delta([token], text, [logprob] if params.logprobs else [])
+        if first:
+            delta.scheduled_at = state.scheduled_at
         if finish is not None:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)

@@ -27,6 +27,9 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None
+    # On a request's first token only: when (time.perf_counter) it was first in a step, so the service
+    # can split its queue time from its prefill in a trace (the engine thread does not emit then).
+    scheduled_at: float | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import uuid
 
 
@@ -159,7 +160,7 @@ class LLMService(Service):
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[Delta] = asyncio.Queue()
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        added_ns = tracing.now_ns()
+        added_ns, added_at = tracing.now_ns(), time.perf_counter()
         self.engine.add(rid, prompt, params, thread_safe_emitter(loop, out))
         log.debug("generate %s: %d prompt tokens, max_tokens %s", rid, len(prompt.token_ids), params.max_tokens or "-")
         first_token_ns = None
@@ -171,8 +172,7 @@ class LLMService(Service):
                     deltas.append(out.get_nowait())
                 if first_token_ns is None:
                     first_token_ns = tracing.now_ns()
-                    # The engine thread does not say when a request left the queue: one span up to the first token.
-                    tracing.timed_span("llm.queue_and_prefill", added_ns, first_token_ns)
+                    _queue_and_prefill_spans(added_ns, added_at, deltas[0].scheduled_at, first_token_ns)
                 delta = _merge(deltas)
                 if delta.error is not None:
                     finished = True
@@ -186,6 +186,17 @@ class LLMService(Service):
                 tracing.timed_span("llm.decode", first_token_ns, tracing.now_ns(), {"modalmesh.finished": finished})
             if not finished:  # cancelled: the client went away or the deadline passed
                 self.engine.abort(rid)
+
+
+def _queue_and_prefill_spans(added_ns: int, added_at: float, scheduled_at: float | None, first_token_ns: int) -> None:
+    """llm.queue (added to the engine -> first in a step) and llm.prefill (-> first token). The engine marks
+    the step with time.perf_counter; spans take wall-clock ns, so the mark is placed relative to `added`."""
+    if scheduled_at is None:  # a request that ended before any step (cannot have a first token; kept whole)
+        scheduled_ns = first_token_ns
+    else:
+        scheduled_ns = min(first_token_ns, max(added_ns, added_ns + int((scheduled_at - added_at) * 1e9)))
+    tracing.timed_span("llm.queue", added_ns, scheduled_ns)
+    tracing.timed_span("llm.prefill", scheduled_ns, first_token_ns)
 
 
 def _merge(deltas: list[Delta]) -> Delta:
