@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -216,7 +217,8 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], batch: int) -> N
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     print(f"\nprofile, batch {batch}: {n} steps, wall {wall / n * 1e3:.2f} ms/step, GPU busy "
           f"{gpu_us / n / 1e3:.2f} ms/step (kernels summed)")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(events.table(sort_by="self_cuda_time_total", row_limit=int(os.environ.get("PROFILE_ROWS", "14")),
+                       max_name_column_width=90))
 
 
 def model_backend(model) -> str:

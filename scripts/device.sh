@@ -85,6 +85,13 @@ for name in "$@"; do
         profile-llm) step profile-llm-tp2 240 python3 bench/llm.py --batches 1,256 --tp 2 --profile
                      step profile-llm-tp1 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,256 \
                          --profile --no-hf ;;
+        profile-llm1)  # TP=1 decode table (HF beside) and each batch's kernels by GPU time
+            step profile-llm1 300 env PROFILE_ROWS=40 CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 \
+                --profile ;;
+        profile-serve-gil)  # 256 streams at TP=1: which thread holds the GIL (py-spy --gil), every process
+            step profile-serve-gil 240 /tmp/site/bin/py-spy record --subprocesses --threads --gil --rate 100 \
+                --format raw -o "$OUT/profile-serve-gil.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py \
+                --start --tp 1 ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
         cold-prefill)  # the first eager prefill after start-up, profiled, then the same batch warm
