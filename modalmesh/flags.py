@@ -139,6 +139,9 @@ def service_parser(service: str, description: str, *, max_message_mb: int = 64) 
     add_security_arguments(parser)
     parser.add_argument("--no-reflection", dest="reflection", action="store_false",
                         help="do not serve gRPC server reflection (it lists every method to anyone who connects)")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="keep the start-up heap (model, libraries) in Python's garbage collector: every full "
+                             "collection then walks it with the GIL held (modalmesh_gc_pause_seconds)")
     return parser
 
 

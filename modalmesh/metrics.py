@@ -30,6 +30,7 @@ PREFIX = "modalmesh_"
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+_GC_PAUSE = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 # A whole request, arrival to last token: long generations run for minutes to hours, which _LATENCY's
 # 120 s top would put in +Inf.
@@ -75,6 +76,9 @@ SCHEMA: tuple[MetricSpec, ...] = (
     MetricSpec("modalmesh_time_per_output_token_seconds", "histogram",
                "LLM engine: per request, (last token - first token) / (output tokens - 1), observed once when it "
                "finishes with 2 or more tokens.", (), _TOKEN_LATENCY),
+    MetricSpec("modalmesh_gc_pause_seconds", "histogram",
+               "Python garbage-collector pauses of this process (the GIL is held throughout), by generation.",
+               ("generation",), _GC_PAUSE),
     MetricSpec("modalmesh_inter_token_latency_seconds", "histogram",
                "LLM engine: gap between consecutive output tokens of a request, one observation per token.",
                (), _TOKEN_LATENCY),

@@ -24,7 +24,7 @@ import torch
 import modalmesh
 from modalmesh import attention
 from modalmesh import metrics as metrics_mod
-from modalmesh import pb
+from modalmesh import heap, pb
 from modalmesh import tracing
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError, Unavailable
 from modalmesh.flags import DTYPE_NAMES, env_name, service_parser
@@ -137,6 +137,8 @@ class Service:
 
     async def _startup(self) -> None:
         await self.load()
+        if getattr(self.args, "gc_freeze", True):
+            heap.freeze_startup_heap()  # before the first request: serving's collections skip the model's objects
         self.ready = True
         self.metrics.set_service_info(
             model_id=self.model_id,
@@ -164,6 +166,7 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         # The flags' value flows down into the registry (buckets are fixed when a histogram is made).
         options = metrics_mod.MetricsOptions.from_flags(args.metrics_buckets)
         metrics = metrics_mod.install(metrics_mod.Metrics(name, options=options))
+        heap.observe_pauses(metrics.gc_pause_seconds)
         # Before the service is built: --otlp-traces-endpoint without the [tracing] extra is exit 2 here.
         tracing.start(tracing.TracingConfig.from_args(args, service=name))
         serve = setup(args, metrics)

@@ -212,6 +212,9 @@ def test_metrics_count_tokens_and_latency(qwen2):
     assert get("modalmesh_kv_pool_capacity_tokens", pool="kv") == 2048
     assert get("modalmesh_kv_pool_used_tokens", pool="kv") == 0
     assert any(k[0] == "modalmesh_attention_backend_info" for k in samples)
+    # The process's collections are timed (the start-up one at least), and its start-up heap was frozen.
+    assert get("modalmesh_gc_pause_seconds_count", generation="2") >= 1
+    assert any("start-up objects out of the garbage collector" in line for line in qwen2.proc.lines)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

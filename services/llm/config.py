@@ -65,6 +65,7 @@ class LLMConfig:
     limits: RequestLimits = RequestLimits()
     log_level: str = "INFO"
     log_format: str = "text"  # --log-format, for the rank processes too (modalmesh.logs)
+    gc_freeze: bool = True  # --no-gc-freeze turns it off; the ranks >= 1 freeze their heaps too (modalmesh.heap)
 
     def __post_init__(self):
         if self.device_type not in ("cpu", "cuda"):
@@ -122,4 +123,5 @@ class LLMConfig:
             limits=RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                  max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
             log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
+            gc_freeze=getattr(args, "gc_freeze", True),
         )

@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 
 import torch.multiprocessing as mp
 
-from modalmesh import distributed
+from modalmesh import distributed, heap
 from modalmesh.logs import configure_logging
 from modalmesh.process import set_parent_death_signal
 from services.llm.config import LLMConfig
@@ -38,6 +38,8 @@ def _rank_main(config: LLMConfig, parent: int) -> None:
     code = 1
     try:
         runner = ModelRunner(config)
+        if config.gc_freeze:
+            heap.freeze_startup_heap()  # its step loop allocates too: full collections skip the model
         log.info("rank %d of %d ready", config.rank, config.world_size)
         runner.loop()
         code = 0
