@@ -296,3 +296,64 @@ def test_steps_through_the_graph_inputs_equal_eager_steps(family, tmp_path):
     for (ids, lps), (ids_ref, lps_ref) in zip(results[True], results[False]):
         assert ids == ids_ref
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(lps_ref), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_paged_decode_split_across_programs_equals_reference(device, splits, per_token):
+    """Flash-decoding: each (row, kv head)'s context split across `splits` programs and combined, against
+    softmax attention over each row's dense history. Contexts shorter than one block per split (empty
+    splits), a padding row of context 0 (output 0), a sliding window, and per-token rows (a mixed step's
+    form) are all in it."""
+    from modalmesh.attention.backends.triton_paged import paged_decode
+
+    torch.manual_seed(splits)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    page, kv_heads, group, dim = 16, 2, 4, 64
+    contexts = [1, 7, 33, 150, 0, 301]
+    pages_per = [max(1, -(-c // page)) for c in contexts]
+    num_pages = sum(pages_per) + 1
+    k_cache = torch.randn(num_pages, page, kv_heads, dim, device=device, dtype=dtype)
+    v_cache = torch.randn(num_pages, page, kv_heads, dim, device=device, dtype=dtype)
+    perm = torch.randperm(num_pages - 1).tolist()  # pages scattered through the pool
+    table, start = [], 0
+    for n in pages_per:
+        table.append(perm[start:start + n] + [0] * (max(pages_per) - n))
+        start += n
+    block_table = torch.tensor(table, dtype=torch.int32, device=device)
+    rows = len(contexts)
+    q = torch.randn(rows, kv_heads * group, dim, device=device, dtype=dtype)
+    ctx = torch.tensor(contexts, dtype=torch.int32, device=device)
+    token_seq = None
+    if per_token:  # row i reads sequence rows-1-i, to the same causal length
+        token_seq = torch.arange(rows - 1, -1, -1, dtype=torch.int32, device=device)
+        ctx = ctx.flip(0)
+    for window in (None, (40, 0)):
+        out = paged_decode(q, k_cache, v_cache, block_table, ctx, scale=dim ** -0.5, window=window,
+                           token_seq=token_seq, splits=splits)
+        for i in range(rows):
+            seq = token_seq[i].item() if per_token else i
+            n = int(ctx[i])
+            if n == 0:
+                assert not out[i].float().abs().any()
+                continue
+            slots = [table[seq][t // page] * page + t % page for t in range(n)]
+            lo = 0 if window is None else max(0, n - 1 - window[0])
+            k = k_cache.view(-1, kv_heads, dim)[slots][lo:].float().repeat_interleave(group, dim=1)
+            v = v_cache.view(-1, kv_heads, dim)[slots][lo:].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,thd->ht", q[i].float(), k) * dim ** -0.5
+            want = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
+            torch.testing.assert_close(out[i].float(), want, **TOL[dtype])
+
+
+def test_decode_splits_fill_the_gpu_from_host_values_only():
+    """The split count depends on the batch and head counts alone (fixed per captured graph), never more
+    than MAX_SPLITS, 1 once the rows alone fill the SMs; always 1 off CUDA."""
+    from modalmesh.attention.backends import triton_paged as tp
+
+    tp._SMS[7] = 132  # an H200's SM count, for a fake device index
+    cuda7 = torch.device("cuda", 7)
+    assert [tp.decode_splits(b, 4, cuda7) for b in (1, 2, 4, 8, 16, 32, 256)] == [16, 16, 8, 4, 2, 1, 1]
+    assert tp.decode_splits(1, 4, torch.device("cpu")) == 1
+    del tp._SMS[7]

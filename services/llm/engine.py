@@ -256,6 +256,8 @@ class LLMEngine:
                 batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
             else:
                 state.emit(delta)
+        if ended:
+            self.metrics.generation_tokens_total.inc(len(ended))  # once a step, not once a token
         for loop, pairs in batched.items():
             ThreadSafeEmitter.deliver(loop, pairs)
         self.pool.publish()
@@ -276,7 +278,6 @@ class LLMEngine:
         else:
             self.metrics.inter_token_latency_seconds.observe(now - state.last_token_at)
         state.last_token_at = now
-        self.metrics.generation_tokens_total.inc()
         if finish == "stop":  # EOS or a stop token: not part of the text
             text = state.detokenizer.finish()
         else:

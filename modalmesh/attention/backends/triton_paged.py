@@ -39,15 +39,16 @@ def _kernel():
     # the longest sequence of a step, so each new width would compile the kernel again mid-serving.
     @triton.jit(do_not_specialize=["stride_bt"])
     def paged_decode(
-        Q, K, V, Out, BlockTable, ContextLens, TokenSeq, scale,
+        Q, K, V, Out, PartM, PartL, BlockTable, ContextLens, TokenSeq, scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         DV: tl.constexpr, DV_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        WINDOW_LEFT: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr,
+        WINDOW_LEFT: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr, SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)  # a query token; its sequence's block-table row is `seq`
         kvh = tl.program_id(1)
+        split = tl.program_id(2)  # with SPLITS > 1: this program's share of the context (flash-decoding)
         ctx = tl.load(ContextLens + row)  # per token (PER_TOKEN) or per sequence: the same index
         if PER_TOKEN:
             seq = tl.load(TokenSeq + row)
@@ -65,7 +66,12 @@ def _kernel():
         start = 0
         if WINDOW_LEFT >= 0:
             start = tl.maximum(ctx - 1 - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(start, ctx, BLOCK_N):
+        stop = ctx
+        if SPLITS > 1:  # whole blocks per split; the last splits of a short context get none
+            per = tl.cdiv(tl.cdiv(ctx - start, BLOCK_N), SPLITS) * BLOCK_N
+            start = start + split * per
+            stop = tl.minimum(ctx, start + per)
+        for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < ctx
             if WINDOW_LEFT >= 0:
@@ -91,24 +97,71 @@ def _kernel():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
-                 mask=(g[:, None] < GROUP) & (dv[None, :] < DV))
+        if SPLITS > 1:
+            # float32 partials [row, head, split]: this split's normalised output, its max and its sum.
+            part = (row * (GROUP * tl.num_programs(1)) + heads) * SPLITS + split
+            tl.store(Out + part[:, None] * DV + dv[None, :], out, mask=(g[:, None] < GROUP) & (dv[None, :] < DV))
+            tl.store(PartM + part, m_i, mask=g < GROUP)
+            tl.store(PartL + part, l_i, mask=g < GROUP)
+        else:
+            tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+                     mask=(g[:, None] < GROUP) & (dv[None, :] < DV))
 
-    return paged_decode
+    @triton.jit
+    def combine_splits(Part, PartM, PartL, Out, stride_ot, stride_oh, HEADS: tl.constexpr, SPLITS: tl.constexpr,
+                       DV: tl.constexpr, DV_PAD: tl.constexpr):
+        """One (row, head): the splits' partial outputs weighted by their softmax mass (exp(m - max) * l)."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        dv = tl.arange(0, DV_PAD)
+        base = (row * HEADS + head) * SPLITS
+        m = tl.load(PartM + base + sp)
+        l = tl.load(PartL + base + sp)
+        top = tl.max(m, 0)
+        w = tl.where(l > 0, tl.exp(m - tl.where(top > float("-inf"), top, 0.0)) * l, 0.0)
+        o = tl.load(Part + (base + sp)[:, None] * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+        total = tl.sum(w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(Out + row * stride_ot + head * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < DV)
+
+    return paged_decode, combine_splits
 
 
 def _pad(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (n - 1).bit_length())
 
 
+# Flash-decoding: with few (row, kv head) programs the GPU is mostly idle (batch 1 of a 4-kv-head model
+# is 4 programs on 132 SMs: 9.4 us a layer on the H200), so each program's context is split across
+# up to MAX_SPLITS programs and the partial results combined by a second kernel. The split count is
+# chosen from the batch and head counts alone (host values fixed per captured graph), never from the
+# context lengths, which live on the device.
+MAX_SPLITS = 16
+_SMS: dict[int, int] = {}
+
+
+def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Programs per (row, kv head): enough to fill the GPU's SMs once, a power of two up to MAX_SPLITS."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(index)
+    if sms is None:
+        sms = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    want = sms // max(1, rows * kv_heads)
+    return 1 if want < 2 else min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, *, scale: float, window=None, kernel=None,
-                 token_seq: torch.Tensor | None = None) -> torch.Tensor:
+                 token_seq: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """q (B, H, D) of one new token per sequence -> (B, H, Dv), attending over each sequence's pages.
 
     With `token_seq` (int32 (N,)), q holds N query tokens: token i belongs to block-table row token_seq[i]
-    and attends to the first context_lens[i] tokens of it (its causal length)."""
-    kernel = kernel or _kernel()
+    and attends to the first context_lens[i] tokens of it (its causal length). `splits`: programs per
+    (row, kv head), a power of two (default `decode_splits`)."""
+    decode, combine = kernel or _kernel()
     batch, heads, dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     dim_v = v_cache.shape[-1]
@@ -116,15 +169,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = q.new_empty((batch, heads, dim_v))
     if batch == 0:
         return out
+    splits = decode_splits(batch, kv_heads, q.device) if splits is None else splits
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits={splits}: a power of two >= 1")
     left = -1 if window is None or window[0] < 0 else int(window[0])
-    kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, out, block_table, context_lens, context_lens if token_seq is None else token_seq,
-        float(scale),
+    if splits > 1:
+        target = torch.empty((batch, heads, splits, dim_v), dtype=torch.float32, device=q.device)
+        part_m = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        target, part_m, part_l = out, out, out  # the partial buffers are not touched
+    decode[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, target, part_m, part_l, block_table, context_lens,
+        context_lens if token_seq is None else token_seq, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         GROUP=group, GROUP_PAD=_pad(group), D=dim, D_PAD=_pad(dim), DV=dim_v, DV_PAD=_pad(dim_v), PAGE=page,
         BLOCK_N=_BLOCK_N, WINDOW_LEFT=left, IEEE=q.dtype == torch.float32, PER_TOKEN=token_seq is not None,
+        SPLITS=splits,
     )
+    if splits > 1:
+        combine[(batch, heads)](target, part_m, part_l, out, out.stride(0), out.stride(1), HEADS=heads,
+                                SPLITS=splits, DV=dim_v, DV_PAD=_pad(dim_v))
     return out
 
 
@@ -235,4 +301,4 @@ def _fits(target, head_dim: int) -> bool:
     return (target.max_head_dim is None or head_dim <= target.max_head_dim) and head_dim % target.head_dim_multiple == 0
 
 
-__all__ = ["MixedPlan", "TritonPaged", "paged_decode"]
+__all__ = ["MixedPlan", "TritonPaged", "decode_splits", "paged_decode"]
