@@ -71,19 +71,38 @@ async def run(target: str, concurrency: int, requests: int, prompt_len: int, out
                 tpot_mean_ms=statistics.mean(tpot) * 1e3 if tpot else float("nan"))
 
 
-def start_service(max_num_seqs: int, quick: bool, tp: int = 1):
+def start_service(max_num_seqs: int, quick: bool, tp: int = 1, extra: tuple[str, ...] = ()):
     from bench.llm import QUICK, QWEN25_7B, make_checkpoint
     from modalmesh.ops.launcher import ServiceProcess
 
     ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
-    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt), "--dummy-weights",
+    flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt), "--dummy-weights",
              "--max-num-seqs", str(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096",
              "--tensor-parallel-size", str(tp)]
     if quick:
         flags += ["--device", "cpu", "--kv-cache-tokens", "65536"]
-    proc = ServiceProcess("llm", flags, echo=False).start()
+    proc = ServiceProcess("llm", [*flags, *extra], echo=False).start()
     proc.wait_serving(timeout=900)
     return proc, (QUICK if quick else QWEN25_7B)["vocab_size"]
+
+
+def gc_pauses(proc) -> dict | None:
+    """The started service's modalmesh_gc_pause_seconds, {generation: {"n": count, "s": seconds}}."""
+    if proc is None or not getattr(proc, "metrics_port", None):
+        return None
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
+    out = {g: {"n": 0.0, "s": 0.0} for g in range(3)}
+    for family in text_string_to_metric_families(body):
+        if family.name == "modalmesh_gc_pause_seconds":
+            for sample in family.samples:
+                key = {"modalmesh_gc_pause_seconds_count": "n", "modalmesh_gc_pause_seconds_sum": "s"}.get(sample.name)
+                if key:
+                    out[int(sample.labels["generation"])][key] = sample.value
+    return out
 
 
 def main() -> int:
@@ -97,19 +116,26 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--llm-flag", action="append", default=[],
+                        help="with --start: one more flag for the service (repeat), e.g. --llm-flag=--no-gc-freeze")
     args = parser.parse_args()
     proc = None
     if args.start:
-        proc, args.vocab = start_service(args.concurrency, args.quick, args.tp)
+        proc, args.vocab = start_service(args.concurrency, args.quick, args.tp, tuple(args.llm_flag))
         args.target = proc.target
     try:
+        gc_before = gc_pauses(proc)
         stats = asyncio.run(run(args.target, args.concurrency, args.requests, args.prompt_len, args.output_len,
                                 args.vocab))
+        gc_after = gc_pauses(proc)
+        if gc_before is not None and gc_after is not None:  # the service's collector pauses during the load
+            stats.update({f"gc_gen{g}_{'n' if k == 'n' else 'ms'}": (gc_after[g][k] - gc_before[g][k]) * (1e3 if k == "s" else 1)
+                          for g in range(3) for k in ("n", "s")})
     finally:
         if proc is not None:
             proc.terminate(timeout=120)
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}, indent=1))
-    print(f"TP={args.tp}: {args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
+    print(f"TP={args.tp}{' ' + ' '.join(args.llm_flag) if args.llm_flag else ''}: {args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
           f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
           f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
     return 0
