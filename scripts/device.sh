@@ -92,6 +92,18 @@ for name in "$@"; do
             step profile-serve-gil 240 /tmp/site/bin/py-spy record --subprocesses --threads --gil --rate 100 \
                 --format raw -o "$OUT/profile-serve-gil.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py \
                 --start --tp 1 ;;
+        kernel-tests) step kernel-tests 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_kernels.py tests/test_attention_backends.py ;;
+        llm-ab)  # issue 17: decode on this tree (HF beside it) and on the code before (.prev: git archive REV)
+            step llm-now 240 env PROFILE_ROWS=12 CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 --profile
+            step llm-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py \
+                --batches 1,32,256 --no-hf' ;;
+        serve-ab)  # issue 17: 256 streams on this tree, with --no-gc-freeze, and on .prev
+            step serve-now 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024
+            step serve-nofreeze 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024 \
+                --llm-flag=--no-gc-freeze
+            step serve-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
+                bench/serve.py --start --requests 1024' ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
         cold-prefill)  # the first eager prefill after start-up, profiled, then the same batch warm
