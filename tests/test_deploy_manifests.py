@@ -20,6 +20,7 @@ from modalmesh.metrics import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
+BASE = K8S / "base"  # the manifests; deploy/k8s and deploy/k8s/cpu build on it
 SERVICES = {"audio-encoder": "audio_encoder", "vision-encoder": "vision_encoder", "llm": "llm", "vae": "vae"}
 TINY = {"qwen2_vl", "qwen2_audio", "vae"}
 # Native gRPC probes are GA from 1.27; the newest schema bundled in the pinned validator too.
@@ -35,8 +36,9 @@ def _kustomization(path: Path) -> dict:
 
 
 def _base_resources() -> list[dict]:
-    kust = _kustomization(K8S)
-    return [d for name in kust["resources"] for d in _docs(K8S / name)]
+    assert _kustomization(K8S)["resources"] == ["base"]
+    kust = _kustomization(BASE)
+    return [d for name in kust["resources"] for d in _docs(BASE / name)]
 
 
 def _pointer(doc, path: str):
@@ -69,7 +71,7 @@ def _json_patch(doc: dict, ops: list[dict]) -> dict:
 
 def _cpu_resources() -> list[dict]:
     kust = _kustomization(K8S / "cpu")
-    assert kust["resources"] == [".."]
+    assert kust["resources"] == ["../base"]
     out = []
     for doc in _base_resources():
         for patch in kust["patches"]:
@@ -109,8 +111,9 @@ def test_the_validator_rejects_what_it_should():
 
 
 def test_kustomization_lists_every_manifest():
-    listed = set(_kustomization(K8S)["resources"])
-    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    listed = set(_kustomization(BASE)["resources"])
+    assert listed == {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {p.name for p in K8S.glob("*.yaml")} == {"kustomization.yaml"}
 
 
 def test_deployments_probe_grpc_health_and_are_scraped():
@@ -432,9 +435,27 @@ SCALED_OBJECT_FIELDS = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "
 def _keda_resources() -> tuple[list[dict], list[dict]]:
     """(the base's resources, the overlay's own): the overlay is applied next to the base, into its namespace."""
     kust = _kustomization(KEDA)
-    assert kust["namespace"] == _kustomization(K8S)["namespace"]
+    assert kust["namespace"] == _kustomization(BASE)["namespace"]
     assert ".." not in kust["resources"]  # kustomize refuses a base that contains its overlay (a cycle)
     return _base_resources(), [d for name in kust["resources"] for d in _docs(KEDA / name)]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
+@pytest.mark.parametrize("layout", ["", "cpu"])
+def test_the_documented_layouts_build_with_kustomize(layout):
+    """`kubectl apply -k deploy/k8s` and `... deploy/k8s/cpu` as the README has them: the cpu overlay used
+    to name `..` as its base, which contains it, and kustomize refused it ("cycle detected")."""
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / layout)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    built = [d for d in yaml.safe_load_all(out.stdout) if d]
+    want = _base_resources() if layout == "" else _cpu_resources()
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in built) == sorted(
+        (d["kind"], d["metadata"]["name"]) for d in want)
+    deployments = [d for d in built if d["kind"] == "Deployment"]
+    gpus = [c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for d in deployments
+            for c in d["spec"]["template"]["spec"]["containers"]]
+    assert any(gpus) if layout == "" else not any(gpus)
+    assert all(d["metadata"].get("namespace") == "modalmesh" for d in built if d["kind"] != "Namespace")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not on PATH")
