@@ -182,7 +182,7 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         return 2
     finally:
         tracing.stop()  # the spans the batch processor still holds go out before exit
-        log.info("gc pauses since start: %s", pauses.summary())
+    log.info("gc pauses since start: %s", pauses.summary())  # after serving only: an error stays the last line
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code
