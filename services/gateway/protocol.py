@@ -4,12 +4,14 @@ Only what the LLM service can honour is accepted: anything it cannot (``n`` > 1,
 tools, penalties other than vLLM's repetition penalty, top-k alternatives of
 logprobs, ...) is a 400 naming the field, never silently ignored. vLLM's extra
 sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``,
-``skip_special_tokens``, ``stop_token_ids``, ``add_generation_prompt``) pass
-through, as the openai client's ``extra_body`` sends them.
+``skip_special_tokens``, ``stop_token_ids``, ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``) pass through, as the openai
+client's ``extra_body`` sends them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -236,6 +238,17 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
         chat.messages.append(pb.ChatMessage(role=ROLES[role], content=parts))
     if (add := _boolean(body, "add_generation_prompt")) is not None:
         chat.add_generation_prompt = add
+    if _boolean(body, "continue_final_message"):
+        if add:  # vLLM's rule; unset, add_generation_prompt defaults to false here (vLLM wants it sent)
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        chat.continue_final_message = True
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if kwargs:  # the LLM checks the names against apply_chat_template's own
+            chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     stream, include_usage = _stream_options(body)
     sampling = sampling_params(body, chat=True)
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)

@@ -10,8 +10,10 @@ item's rows (vLLM style), a run already as long as the rows is taken as is
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from modalmesh import pb
@@ -75,7 +77,58 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
     return messages, items
 
 
-def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], list[pb.MultimodalItem]]:
+# apply_chat_template's own parameters and the variables it sets itself: a chat_template_kwargs key
+# naming one would change how the prompt is built rather than pass a value to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_kwargs(chat: pb.Chat) -> dict:
+    """chat_template_kwargs_json -> the keyword arguments it gives the template (INVALID_ARGUMENT naming the
+    problem)."""
+    if not chat.chat_template_kwargs_json:
+        return {}
+    try:
+        kwargs = json.loads(chat.chat_template_kwargs_json)
+    except ValueError as exc:
+        raise InvalidArgument(f"chat.chat_template_kwargs_json is not JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat.chat_template_kwargs_json must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidArgument(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (a request field "
+                              "or the server decides it)")
+    return kwargs
+
+
+def render_chat(chat: pb.Chat, tokenizer, chat_template: str | None = None) -> tuple[str, list[pb.MultimodalItem]]:
+    """The chat as the template renders it: `chat_template` (--chat-template) or else the checkpoint's."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt, or start the "
+                              "service with --chat-template FILE")
+    messages, items = _chat_messages(chat)
+    kwargs = template_kwargs(chat)
+    cont = chat.continue_final_message
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+    if cont and add:
+        raise InvalidArgument("chat: continue_final_message and add_generation_prompt cannot both be true")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add, continue_final_message=cont, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        # The template's own raise_exception (a role it does not take, ...) or a value it cannot use: the
+        # request's fault. TypeError: a kwarg of the wrong type used in an expression.
+        raise InvalidArgument(f"chat: the chat template could not render this conversation "
+                              f"({type(exc).__name__}: {exc})") from None
+    return text, items
+
+
+def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int,
+                    chat_template: str | None = None) -> tuple[list[int], list[pb.MultimodalItem]]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return list(tokenizer(request.text)["input_ids"]), list(request.items)
@@ -88,11 +141,7 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
     if kind == "chat":
         if request.items:
             raise InvalidArgument("items: with a chat prompt, put items inside the messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt")
-        messages, items = _chat_messages(request.chat)
-        add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        text, items = render_chat(request.chat, tokenizer, chat_template)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), items
     raise InvalidArgument("prompt: give text, token_ids or chat")
 
