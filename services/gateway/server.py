@@ -45,6 +45,7 @@ from services.gateway import protocol
 from services.gateway.backends import Backend
 from services.gateway.config import GatewayConfig, build_parser
 from services.gateway.errors import APIError, bad_request, from_grpc
+from services.gateway.fetch import MediaFetcher, fetch_all
 
 log = logging.getLogger("modalmesh.gateway")
 
@@ -101,7 +102,9 @@ class Gateway:
         self._bodies = 0  # bytes reserved by request bodies in flight (_body_budget)
         self.limits = protocol.Limits(max_image_bytes=int(config.max_image_mb * MiB),
                                       max_audio_bytes=int(config.max_audio_mb * MiB),
-                                      local_media_root=config.local_media_root)
+                                      local_media_root=config.local_media_root, fetch=config.fetch,
+                                      low_detail_max_pixels=config.low_detail_max_pixels)
+        self.fetcher = MediaFetcher(config.fetch)
         max_message = config.max_message_mb * MiB
         security = config.security
         self.llm = Backend("llm", config.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
@@ -129,10 +132,12 @@ class Gateway:
     def start(self) -> None:
         for backend in self.backends:
             backend.start()
+        self.fetcher.start()
 
     async def close(self) -> None:
         for backend in self.backends:
             await backend.close()
+        await self.fetcher.close()
 
     @property
     def ready(self) -> bool:
@@ -299,6 +304,8 @@ class Gateway:
         else:
             parse = lambda: protocol.completion_request(body, rid)  # noqa: E731
         parsed = await asyncio.to_thread(parse) if (request.content_length or 0) > PARSE_IN_THREAD_BYTES else parse()
+        if parsed.fetches:
+            await self._fetch_media(parsed)
         fingerprint = llm.info.weights_fingerprint or None
         timeout = self.config.request_timeout or None
         # The request id and the trace context go to the LLM in the call's metadata.
@@ -324,6 +331,14 @@ class Gateway:
             return await self._stream(request, call, first, acc, parsed, rid, model, fingerprint)
         finally:
             call.cancel()  # no-op once the call finished; a client gone mid-request aborts it (KV freed)
+
+    async def _fetch_media(self, parsed: protocol.ParsedRequest) -> None:
+        """The request's http(s) images, fetched concurrently into their items (a 400 names a refused one)."""
+        max_bytes = self.limits.max_image_bytes
+        bodies = await fetch_all(self.fetcher.fetch(f.url, what=f.param, param=f.param, max_bytes=max_bytes)
+                                 for f in parsed.fetches)
+        for f, data in zip(parsed.fetches, bodies):
+            parsed.grpc.chat.messages[f.message].content[f.part].item.input.data = data
 
     @staticmethod
     async def _read(call, item_params: list[str]):
