@@ -129,7 +129,7 @@ class GatewayConfig:
 
 
 def fetch_policy(args: argparse.Namespace) -> FetchPolicy:
-    domains = frozenset(d.strip().lower() for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    domains = frozenset(d.strip().lower().strip("[]") for d in (args.allowed_media_domains or "").split(",") if d.strip())
     try:
         networks = parse_networks(args.allowed_media_networks)
     except ValueError as exc:

@@ -48,20 +48,23 @@ class FetchPolicy:
         return bool(self.domains)
 
     def address_refusal(self, address: str) -> str | None:
-        """Why this address may not be connected to, or None when it may."""
+        """What kind of non-public address this is ("private", "loopback", ...) when it may not be connected to;
+        None when it may (public, or in an allowed range)."""
         try:
             ip: IPAddress = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
         except ValueError:
-            return f"{address!r} is not an IP address"
+            return "malformed"
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped  # ::ffff:10.0.0.1 reaches 10.0.0.1
         if any(ip in net for net in self.networks):
             return None
         if ip.is_global and not ip.is_multicast:
             return None
-        kind = ("loopback" if ip.is_loopback else "link-local" if ip.is_link_local
+        return ("loopback" if ip.is_loopback else "link-local" if ip.is_link_local
                 else "private" if ip.is_private else "multicast" if ip.is_multicast else "reserved")
-        return f"{ip} is a {kind} address (allow its range with --allowed-media-networks)"
+
+
+ALLOW_HINT = "allow its range with --allowed-media-networks"
 
 
 def parse_networks(text: str | None) -> tuple[IPNetwork, ...]:
@@ -95,9 +98,9 @@ def check_url(policy: FetchPolicy, url: str, *, what: str, param: str) -> None:
         ipaddress.ip_address(host)
     except ValueError:
         return  # a name: its addresses are checked when it is resolved
-    why = policy.address_refusal(host)
-    if why is not None:
-        raise bad_request(f"{what}: {why}", param, "media_address_not_allowed")
+    kind = policy.address_refusal(host)
+    if kind is not None:
+        raise bad_request(f"{what}: {host} is a {kind} address; {ALLOW_HINT}", param, "media_address_not_allowed")
 
 
 class _Refused(Exception):
@@ -113,11 +116,13 @@ class _CheckedResolver(AbstractResolver):
 
     async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET):
         answers = await self._inner.resolve(host, port, family)
-        for answer in answers:
-            why = self.policy.address_refusal(answer["host"])
-            if why is not None:
-                raise _Refused(f"{host} resolves to {why}")
-        return answers
+        # Only the allowed answers go back: the connection can use no other address.
+        allowed = [a for a in answers if self.policy.address_refusal(a["host"]) is None]
+        if not allowed:
+            first = answers[0]["host"] if answers else "nothing"
+            kind = self.policy.address_refusal(first) if answers else "no"
+            raise _Refused(f"{host} resolves to {first}, a {kind} address; {ALLOW_HINT}")
+        return allowed
 
     async def close(self) -> None:
         await self._inner.close()
