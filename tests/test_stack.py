@@ -1,4 +1,4 @@
-"""`modalmesh up`: the four services as local processes, SERVING, then drained on Ctrl-C."""
+"""`modalmesh up`: the four services and the gateway as local processes, SERVING, then drained on Ctrl-C."""
 
 import os
 import re
@@ -8,6 +8,7 @@ import sys
 import threading
 
 import grpc
+import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modalmesh import pb
@@ -40,10 +41,16 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 info = stubs[name](channel).Info(pb.InfoRequest(), timeout=10)
                 assert info.ready and info.model_id == models[name]  # the default tiny checkpoints
+        # The gateway in front of the LLM: its base URL printed, the LLM's model served through it.
+        base_url = re.search(r"^OpenAI API: (http://127\.0\.0\.1:\d+/v1)", "".join(lines), re.M)[1]
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["qwen2_vl"]
+        r = client.completions.create(model="qwen2_vl", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, rest
-        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in rest
+        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0, gateway=0" in rest
         for target in endpoints.values():  # nothing left listening
             with grpc.insecure_channel(target) as channel:
                 try:
