@@ -24,9 +24,14 @@ from modalmesh.ops.launcher import GatewayProcess, ServiceProcess
 # VAE, as compose does too; so `modalmesh info|health|generate` (50051) and `decode` (50054) find
 # the same service under both layouts with no --target.
 SERVICES = ("llm", "vision_encoder", "audio_encoder", "vae")
-GATEWAY = "gateway"  # the OpenAI HTTP gateway, in front of the LLM (and the VAE); metrics port base+4
-MEMBERS = (*SERVICES, GATEWAY)
+# No checkpoint the LLM serves takes both images and audio: a second LLM, on an audio checkpoint and fed by the
+# audio encoder, takes the audio (gRPC base+4). The gateway serves both models, each by its own model id.
+AUDIO_LLM = "audio_llm"
+MODEL_SERVICES = (*SERVICES, AUDIO_LLM)
+GATEWAY = "gateway"  # the OpenAI HTTP gateway, in front of the LLMs (and the VAE); metrics port base+5
+MEMBERS = (*MODEL_SERVICES, GATEWAY)
 GATEWAY_PORT = 8000
+LLMS = ("llm", AUDIO_LLM)
 
 
 class StackError(Exception):
@@ -42,14 +47,14 @@ class StackMember:
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--base-port", type=int, default=50051,
-                        help=f"gRPC ports: base, base+1, ... in the order {', '.join(SERVICES)} (0: any free port)")
+                        help=f"gRPC ports: base, base+1, ... in the order {', '.join(MODEL_SERVICES)} (0: any free port)")
     parser.add_argument("--metrics-base-port", type=int, default=9401,
                         help="metrics ports: base, base+1, ... in the same order (0: any free port)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the models run")
     parser.add_argument("--gateway-port", type=int, default=None,
                         help=f"the gateway's HTTP port (default {GATEWAY_PORT}, or any free port with --base-port 0)")
     parser.add_argument("--services", default=",".join(MEMBERS), help="comma-separated subset to start")
-    for service in SERVICES:
+    for service in MODEL_SERVICES:
         parser.add_argument(f"--{service.replace('_', '-')}-model", default=None, metavar="DIR",
                             help=f"checkpoint directory for {service}")
     parser.add_argument("--models-dir", default=str(Path.home() / ".cache" / "modalmesh" / "tiny"),
@@ -60,7 +65,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="echo the services' logs")
 
 
-DEFAULT_MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
+DEFAULT_MODELS = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae",
+                  AUDIO_LLM: "qwen2_audio"}
 
 
 # Modules the tiny checkpoint makers need beyond the install requirements: the [demo] extra.
@@ -123,11 +129,11 @@ def start_stack(args: argparse.Namespace) -> list[StackMember]:
     unknown = sorted(set(wanted) - set(MEMBERS))
     if unknown:
         raise StackError(f"unknown service(s) {unknown}; choose from {list(MEMBERS)}")
-    if GATEWAY in wanted and not {"llm", "vae"} & set(wanted):
-        raise StackError("the gateway needs the llm or the vae in --services")
+    if GATEWAY in wanted and not {"llm", AUDIO_LLM, "vae"} & set(wanted):
+        raise StackError("the gateway needs an llm or the vae in --services")
     order = [s for s in MEMBERS if s in wanted]
     check_ports_free(args.host, _planned_ports(args, order))
-    missing = [s for s in SERVICES if s in wanted and not getattr(args, f"{s}_model")]  # the gateway has none
+    missing = [s for s in MODEL_SERVICES if s in wanted and not getattr(args, f"{s}_model")]  # the gateway has none
     defaults = default_checkpoints(Path(args.models_dir), missing) if missing and not args.no_default_models else {}
     members: list[StackMember] = []
     try:
@@ -156,15 +162,20 @@ def _start_members(args: argparse.Namespace, order: list[str], defaults: dict[st
     host = _local(args.host)
     # Encoders and the VAE first: the LLM is started pointing at the encoders' bound ports, the gateway last
     # at the LLM's and the VAE's.
-    for service in sorted(order, key=lambda s: (s == GATEWAY, s == "llm")):
+    for service in sorted(order, key=lambda s: (s == GATEWAY, s in LLMS)):
         i = MEMBERS.index(service)
         metrics_port = args.metrics_base_port + i if args.metrics_base_port else 0
         if service == GATEWAY:
-            backends = {m.service: m.process for m in members if m.service in ("llm", "vae")}
+            targets = {}
+            for member in members:
+                if member.service in (*LLMS, "vae"):
+                    grpc_port, _ = member.process.wait_listening(timeout=args.startup_timeout)
+                    targets[member.service] = f"{host}:{grpc_port}"
+            llms = [targets[name] for name in LLMS if name in targets]  # the first serves requests naming no model
             flags = ["--host", args.host, "--port", str(gateway_port(args)), "--metrics-port", str(metrics_port)]
-            for name, process in backends.items():
-                grpc_port, _ = process.wait_listening(timeout=args.startup_timeout)
-                flags += [f"--{name}", f"{host}:{grpc_port}"]
+            flags += ["--llm", llms[0]] if llms else []
+            flags += ["--more-llms", ";".join(llms[1:])] if llms[1:] else []
+            flags += ["--vae", targets["vae"]] if "vae" in targets else []
             members.append(StackMember(service, GatewayProcess(flags, echo=args.verbose).start()))
             continue
         port = args.base_port + i if args.base_port else 0
@@ -172,12 +183,16 @@ def _start_members(args: argparse.Namespace, order: list[str], defaults: dict[st
         model = getattr(args, f"{service}_model") or defaults.get(service)
         if model:
             flags += ["--model", str(model)]
-        if service == "llm":
+        if service in LLMS:
+            # The image LLM gets the vision encoder (and the audio one, which it refuses to use unless its
+            # checkpoint takes audio), the audio LLM the audio encoder.
+            feeds = ("vision_encoder", "audio_encoder") if service == "llm" else ("audio_encoder",)
             for member in members:
-                if member.service in ("vision_encoder", "audio_encoder"):
+                if member.service in feeds:
                     grpc_port, _ = member.process.wait_listening(timeout=args.startup_timeout)
                     flags += [f"--{member.service.replace('_', '-')}", f"ipv4:{host}:{grpc_port}"]
-        members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose).start()))
+        module = "services.llm" if service == AUDIO_LLM else None
+        members.append(StackMember(service, ServiceProcess(service, flags, echo=args.verbose, module=module).start()))
     members.sort(key=lambda m: MEMBERS.index(m.service))
 
 

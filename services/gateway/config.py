@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}LLM=dns:///llm:50051).",
     )
     parser.add_argument("--llm", default=None, metavar="TARGET", help="LLM service, e.g. dns:///llm:50051")
+    parser.add_argument("--more-llms", default=None, metavar="TARGET;...",
+                        help="more LLM services, each serving its own model id (its Info's): a request's model picks "
+                             "one, --llm serves requests that name none")
     parser.add_argument("--vae", default=None, metavar="TARGET", help="VAE service (for /v1/images/decode)")
     add_process_arguments(parser, port=8000, protocol="HTTP", what="requests")
     parser.add_argument("--served-model-name", default=None,
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass(frozen=True)
 class GatewayConfig:
     llm: str | None = None  # gRPC target of the LLM service
+    more_llms: tuple[str, ...] = ()  # --more-llms: more LLM services, routed to by model id
     vae: str | None = None  # ... and of the VAE service (for /v1/images/decode)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -95,6 +99,8 @@ class GatewayConfig:
     def __post_init__(self):
         if not self.llm and not self.vae:
             raise ConfigError("give --llm TARGET (and/or --vae TARGET)")
+        if self.more_llms and not self.llm:
+            raise ConfigError("--more-llms needs --llm (the model of requests that name none)")
         for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
             if getattr(self, flag) <= 0:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be > 0")
@@ -111,7 +117,8 @@ class GatewayConfig:
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         """The flags, checked before anything binds (readable security files included)."""
         config = cls(
-            llm=args.llm, vae=args.vae, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            llm=args.llm, vae=args.vae,
+            more_llms=tuple(t.strip() for t in (args.more_llms or "").split(";") if t.strip()), host=args.host, port=args.port, metrics_port=args.metrics_port,
             grace_period=args.grace_period, served_model_name=args.served_model_name, api_key=args.api_key,
             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, max_request_mb=args.max_request_mb,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
