@@ -199,7 +199,8 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"up": stack.up, "serve": stack.serve, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
+COMMANDS = {"up": stack.up, "serve": stack.serve, "demo": demo, "health": health, "info": info, "generate": generate,
+            "decode": decode}
 
 
 def main(argv=None) -> int:

@@ -47,7 +47,8 @@ class StackMember:
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--base-port", type=int, default=50051,
-                        help=f"gRPC ports: base, base+1, ... in the order {', '.join(MODEL_SERVICES)} (0: any free port)")
+                        help=f"gRPC ports: base, base+1, ... in the order {', '.join(MODEL_SERVICES)} "
+                             "(0: any free port)")
     parser.add_argument("--metrics-base-port", type=int, default=9401,
                         help="metrics ports: base, base+1, ... in the same order (0: any free port)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the models run")

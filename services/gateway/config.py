@@ -118,7 +118,8 @@ class GatewayConfig:
         """The flags, checked before anything binds (readable security files included)."""
         config = cls(
             llm=args.llm, vae=args.vae,
-            more_llms=tuple(t.strip() for t in (args.more_llms or "").split(";") if t.strip()), host=args.host, port=args.port, metrics_port=args.metrics_port,
+            more_llms=tuple(t.strip() for t in (args.more_llms or "").split(";") if t.strip()),
+            host=args.host, port=args.port, metrics_port=args.metrics_port,
             grace_period=args.grace_period, served_model_name=args.served_model_name, api_key=args.api_key,
             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, max_request_mb=args.max_request_mb,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
@@ -136,7 +137,9 @@ class GatewayConfig:
 
 
 def fetch_policy(args: argparse.Namespace) -> FetchPolicy:
-    domains = frozenset(d.strip().lower().strip("[]") for d in (args.allowed_media_domains or "").split(",") if d.strip())
+    # Hosts as urlsplit gives them: lower case, an IPv6 literal without its brackets ([::1] -> ::1).
+    names = (args.allowed_media_domains or "").split(",")
+    domains = frozenset(d.strip().lower().strip("[]") for d in names if d.strip())
     try:
         networks = parse_networks(args.allowed_media_networks)
     except ValueError as exc:
