@@ -44,6 +44,11 @@ class PreparedPrompt:
     mrope_delta: int = 0
 
 
+# Video positions as HF computes them for Qwen2-VL: frames one temporal position apart (mrope.py). Qwen2.5-VL
+# spaces them by seconds per grid step, which needs the frame rate: not taken yet, so its video is refused.
+VIDEO_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration"})
+
+
 def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
     """modality -> placeholder token id, for what this checkpoint supports."""
     ids = {}
@@ -51,6 +56,8 @@ def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
         ids[pb.IMAGE] = cfg.image_token_id
     if cfg.audio_token_id is not None:
         ids[pb.AUDIO] = cfg.audio_token_id
+    if cfg.video_token_id is not None and VIDEO_ARCHITECTURES.intersection(cfg.architectures):
+        ids[pb.VIDEO] = cfg.video_token_id
     return ids
 
 
@@ -64,9 +71,9 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
             if part.HasField("text"):
                 parts.append({"type": "text", "text": part.text})
             elif part.HasField("item"):
-                kind = {pb.IMAGE: "image", pb.AUDIO: "audio"}.get(part.item.modality)
+                kind = {pb.IMAGE: "image", pb.AUDIO: "audio", pb.VIDEO: "video"}.get(part.item.modality)
                 if kind is None:
-                    raise InvalidArgument(f"chat.messages[{m}]: an item has no modality (IMAGE or AUDIO)")
+                    raise InvalidArgument(f"chat.messages[{m}]: an item has no modality (IMAGE, AUDIO or VIDEO)")
                 parts.append({"type": kind})
                 items.append(part.item)
         # Text-only messages as plain strings: every chat template understands those.
@@ -153,6 +160,10 @@ def check_modalities(items: list[pb.MultimodalItem] | list[Embedding], cfg: Mode
         if item.modality not in placeholders:
             name = pb.Modality.Name(item.modality) if item.modality in pb.Modality.values() else item.modality
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
+        raw = isinstance(item, pb.MultimodalItem) and item.WhichOneof("source") != "embedding"
+        if item.modality == pb.VIDEO and raw:
+            raise InvalidArgument(f"items[{i}]: video is taken as a precomputed embedding only (no encoder takes raw "
+                                  "video yet)")
 
 
 def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem] | list[Embedding],
@@ -255,11 +266,12 @@ def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
     if uses_mrope:
         image_spans = []
         for span in spans:
-            if span.modality != pb.IMAGE:
+            if span.modality not in (pb.IMAGE, pb.VIDEO):
                 continue
             grid = span.grid_thw
             if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
-                raise InvalidArgument(f"image at token {span.start}: grid_thw {list(grid)} does not describe its "
+                kind = "video" if span.modality == pb.VIDEO else "image"
+                raise InvalidArgument(f"{kind} at token {span.start}: grid_thw {list(grid)} does not describe its "
                                       f"{span.embedding.shape[0]} rows (merge {spatial_merge})")
             image_spans.append((span.start, grid))
         prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), image_spans, spatial_merge)
