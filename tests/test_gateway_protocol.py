@@ -21,9 +21,13 @@ from safetensors.torch import save as save_safetensors
 from modalmesh import pb
 from services.gateway import latents, protocol
 from services.gateway.errors import APIError, from_grpc
-from services.gateway.media import audio_bytes, image_bytes
+from services.gateway.media import audio_bytes, image_input
 
 LIMITS = protocol.Limits(max_image_bytes=1000, max_audio_bytes=1000)
+
+
+def image_bytes(part, **kwargs):
+    return image_input(part, **kwargs).data
 
 
 def b64(data: bytes) -> str:

@@ -133,7 +133,7 @@ def test_ctrl_c_during_start_up_stops_what_started_and_exits_130(monkeypatch, ca
     class Interrupted:
         """A service that is still loading when Ctrl-C arrives."""
 
-        def __init__(self, service, flags, echo=False):
+        def __init__(self, service, flags, echo=False, module=None):
             self.service, self.stopped, self.grpc_port = service, False, 1
             started.append(self)
 
@@ -157,11 +157,12 @@ def test_ctrl_c_during_start_up_stops_what_started_and_exits_130(monkeypatch, ca
             return 0
 
     monkeypatch.setattr(stack, "ServiceProcess", Interrupted)
+    monkeypatch.setattr(stack, "GatewayProcess", lambda flags, echo=False: Interrupted("gateway", flags))
     code = cli.main(["up", "--base-port", "0", "--metrics-base-port", "0", "--no-default-models",
                      "--models-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 130 and err == "modalmesh: interrupted\n"
-    assert len(started) == 4 and all(p.stopped for p in started)
+    assert len(started) == 6 and all(p.stopped for p in started)  # four services, audio_llm, gateway
 
 
 def test_info_into_a_closed_pipe_is_silent():

@@ -1,5 +1,7 @@
-"""`modalmesh up`: the four services as local processes, SERVING, then drained on Ctrl-C."""
+"""`modalmesh up`: the four services and the gateway as local processes, SERVING, then drained on Ctrl-C."""
 
+import base64
+import io
 import os
 import re
 import signal
@@ -8,6 +10,10 @@ import sys
 import threading
 
 import grpc
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modalmesh import pb
@@ -28,22 +34,46 @@ def test_stack_up_serves_all_four_and_stops_cleanly_on_ctrl_c(tmp_path):
             if "all services SERVING" in line:
                 break
         endpoints = dict(re.findall(r"^(\w+)\s+(127\.0\.0\.1:\d+)\s+http://", "".join(lines), re.M))
-        assert set(endpoints) == {"audio_encoder", "vision_encoder", "llm", "vae"}, "".join(lines)
+        assert set(endpoints) == {"audio_encoder", "vision_encoder", "llm", "vae", "audio_llm"}, "".join(lines)
         assert "their outputs are meaningless" in "".join(lines)
         stubs = {"llm": pb.llm_pb2_grpc.LLMServiceStub, "vae": pb.vae_pb2_grpc.VAEServiceStub,
                  "vision_encoder": pb.encoder_pb2_grpc.EncoderServiceStub,
-                 "audio_encoder": pb.encoder_pb2_grpc.EncoderServiceStub}
-        models = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae"}
+                 "audio_encoder": pb.encoder_pb2_grpc.EncoderServiceStub, "audio_llm": pb.llm_pb2_grpc.LLMServiceStub}
+        models = {"llm": "qwen2_vl", "vision_encoder": "qwen2_vl", "audio_encoder": "qwen2_audio", "vae": "vae",
+                  "audio_llm": "qwen2_audio"}
         for name, target in endpoints.items():
             with grpc.insecure_channel(target) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
                 info = stubs[name](channel).Info(pb.InfoRequest(), timeout=10)
                 assert info.ready and info.model_id == models[name]  # the default tiny checkpoints
+        # The gateway in front of the LLM: its base URL printed, the LLM's model served through it.
+        base_url = re.search(r"^OpenAI API: (http://127\.0\.0\.1:\d+/v1)", "".join(lines), re.M)[1]
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["qwen2_vl", "qwen2_audio"]
+        r = client.completions.create(model="qwen2_vl", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        # Audio: the model id picks the audio LLM, which sends the clip to the audio encoder.
+        t = np.arange(16000) / 16000
+        buf = io.BytesIO()
+        sf.write(buf, (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 16000, format="WAV", subtype="FLOAT")
+        clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(),
+                                                       "format": "wav"}}
+        heard = client.chat.completions.create(model="qwen2_audio", max_tokens=2, messages=[
+            {"role": "user", "content": [clip, {"type": "text", "text": "What is it?"}]}])
+        plain = client.chat.completions.create(model="qwen2_audio", max_tokens=2, messages=[
+            {"role": "user", "content": "What is it?"}])
+        assert heard.usage.prompt_tokens > plain.usage.prompt_tokens + 10  # the clip's rows are in the prompt
+        with pytest.raises(openai.BadRequestError):  # the image LLM takes no audio
+            client.chat.completions.create(model="qwen2_vl", max_tokens=2, messages=[
+                {"role": "user", "content": [clip, {"type": "text", "text": "What is it?"}]}])
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="nope", prompt="x", max_tokens=1)
+        assert "`qwen2_vl`, `qwen2_audio`" in err.value.message
         proc.send_signal(signal.SIGINT)
         rest = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, rest
-        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0" in rest
+        assert "stopped: llm=0, vision_encoder=0, audio_encoder=0, vae=0, audio_llm=0, gateway=0" in rest
         for target in endpoints.values():  # nothing left listening
             with grpc.insecure_channel(target) as channel:
                 try:

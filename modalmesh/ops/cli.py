@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=formatter)
 
-    stack.add_up_arguments(command("up", "start the four services as local processes"))
+    stack.add_up_arguments(command("up", "start the four services and the OpenAI gateway as local processes"))
+    stack.add_serve_arguments(command("serve", "serve one checkpoint directory: the encoders it needs, the LLM and "
+                                               "the OpenAI gateway as local processes"))
     p = command("demo", "start the stack, send an image, an audio and a latents request, stop")
     stack.add_up_arguments(p)
     p.add_argument("--out-dir", default=None, help="where the decoded PNG goes (default: a temporary folder)")
@@ -197,7 +199,8 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"up": stack.up, "demo": demo, "health": health, "info": info, "generate": generate, "decode": decode}
+COMMANDS = {"up": stack.up, "serve": stack.serve, "demo": demo, "health": health, "info": info, "generate": generate,
+            "decode": decode}
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """`modalmesh demo`: the stack on local processes, three real requests, a few metrics, then stop.
 
-The default tiny LLM is a vision-language model (Qwen2-VL), which takes no audio; for the
-audio request the demo starts one more LLM process on the tiny Qwen2-Audio checkpoint, fed by
+The default tiny LLM is a vision-language model (Qwen2-VL), which takes no audio; the audio
+request goes to the stack's second LLM (audio_llm) on the tiny Qwen2-Audio checkpoint, fed by
 the stack's audio encoder (which serves that checkpoint's tower). Outputs are meaningless:
 the checkpoints are random.
 """
@@ -75,11 +75,14 @@ def demo(args: argparse.Namespace) -> int:
     try:
         stack.print_endpoints(members, args.host)
         host = "127.0.0.1" if args.host == "0.0.0.0" else args.host
-        audio_ckpt = stack.default_checkpoints(Path(args.models_dir), ["audio_encoder"])["audio_encoder"]
-        audio_llm = ServiceProcess("llm", ["--host", args.host, "--port", "0", "--metrics-port", "0", "--device",
-                                           args.device, "--model", str(audio_ckpt), "--audio-encoder",
-                                           f"ipv4:{host}:{by_name['audio_encoder'].grpc_port}"]).start()
-        audio_llm.wait_serving(timeout=args.startup_timeout, host=host)
+        audio_target = f"{host}:{by_name[stack.AUDIO_LLM].grpc_port}" if stack.AUDIO_LLM in by_name else None
+        if audio_target is None:  # --services without it: one more LLM, on the audio encoder's checkpoint
+            audio_ckpt = stack.default_checkpoints(Path(args.models_dir), ["audio_encoder"])["audio_encoder"]
+            audio_llm = ServiceProcess("llm", ["--host", args.host, "--port", "0", "--metrics-port", "0", "--device",
+                                               args.device, "--model", str(audio_ckpt), "--audio-encoder",
+                                               f"ipv4:{host}:{by_name['audio_encoder'].grpc_port}"]).start()
+            audio_llm.wait_serving(timeout=args.startup_timeout, host=host)
+            audio_target = f"{host}:{audio_llm.grpc_port}"
 
         print("\n1. image + text -> llm (the LLM sends the image to the vision encoder pool)")
         image = pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=_png()))
@@ -87,7 +90,7 @@ def demo(args: argparse.Namespace) -> int:
 
         print("2. audio + text -> a tiny Qwen2-Audio llm (it sends the clip to the audio encoder pool)")
         audio = pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=_wav()))
-        print("   ", _generate(f"{host}:{audio_llm.grpc_port}", "What do you hear?", audio))
+        print("   ", _generate(audio_target, "What do you hear?", audio))
 
         print("3. latents -> vae -> PNG")
         latents = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))

@@ -11,9 +11,11 @@ class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODALITY_UNSPECIFIED: _ClassVar[Modality]
     IMAGE: _ClassVar[Modality]
     AUDIO: _ClassVar[Modality]
+    VIDEO: _ClassVar[Modality]
 MODALITY_UNSPECIFIED: Modality
 IMAGE: Modality
 AUDIO: Modality
+VIDEO: Modality
 
 class InfoRequest(_message.Message):
     __slots__ = ()

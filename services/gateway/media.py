@@ -1,8 +1,9 @@
 """Image and audio inputs of OpenAI requests -> raw bytes for the LLM's encoder pools.
 
 * ``image_url``: ``data:image/<type>;base64,<data>`` URLs; ``file://`` URLs only
-  under ``--allowed-local-media-path``; http(s) URLs are refused (this gateway
-  fetches nothing from the network).
+  under ``--allowed-local-media-path``; http(s) URLs only for the hosts of
+  ``--allowed-media-domains``, fetched by ``fetch.py`` (SSRF checks there); ``detail``
+  ``low`` asks for a smaller pixel budget (``--low-detail-max-pixels``).
 * ``input_audio``: ``{"data": <base64>, "format": "wav" | "mp3" | "flac" | "ogg"}``,
   as the OpenAI schema has it (a ``data:audio/...;base64,`` prefix is tolerated).
 
@@ -16,10 +17,12 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from services.gateway.errors import bad_request
+from services.gateway.fetch import FetchPolicy, check_url
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 
@@ -84,12 +87,31 @@ def read_file_url(url: str, *, what: str, param: str, root: Path | None, max_byt
     return resolved.read_bytes()
 
 
-def image_bytes(part: dict, *, param: str, max_bytes: int, local_root: Path | None) -> bytes:
-    """The bytes of an ``image_url`` content part."""
+@dataclass(frozen=True)
+class ImageInput:
+    """An ``image_url`` part: its bytes, or the http(s) URL to fetch them from (checked already), and its detail."""
+    data: bytes | None
+    url: str | None
+    param: str  # the request path of the URL, for errors
+    detail: str  # "auto" | "low" | "high"
+
+
+DETAILS = ("auto", "low", "high")
+
+
+def image_input(part: dict, *, param: str, max_bytes: int, local_root: Path | None,
+                fetch: FetchPolicy = FetchPolicy()) -> ImageInput:
+    """The image of an ``image_url`` content part; an http(s) URL is checked against `fetch` (no network)
+    and left for the gateway to fetch."""
     spec = part.get("image_url")
+    detail = "auto"
     if isinstance(spec, dict):
         url = spec.get("url")
         param_url = f"{param}.image_url.url"
+        detail = spec.get("detail", "auto")
+        if detail not in DETAILS:
+            raise bad_request(f"image_url.detail must be one of {', '.join(DETAILS)}, got {detail!r}",
+                              f"{param}.image_url.detail", "invalid_image_detail")
     else:  # vLLM also accepts the URL as a bare string
         url, param_url = spec, f"{param}.image_url"
     if not isinstance(url, str) or not url:
@@ -97,12 +119,14 @@ def image_bytes(part: dict, *, param: str, max_bytes: int, local_root: Path | No
     what = f"{param_url}"
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return parse_data_url(url, what=what, param=param_url, kind="image", max_bytes=max_bytes)
+        return ImageInput(parse_data_url(url, what=what, param=param_url, kind="image", max_bytes=max_bytes), None,
+                          param_url, detail)
     if scheme == "file":
-        return read_file_url(url, what=what, param=param_url, root=local_root, max_bytes=max_bytes)
+        return ImageInput(read_file_url(url, what=what, param=param_url, root=local_root, max_bytes=max_bytes), None,
+                          param_url, detail)
     if scheme in ("http", "https"):
-        raise bad_request(f"{what}: {scheme} URLs are not fetched by this gateway; send the image inline as "
-                          "data:image/<type>;base64,...", param_url, "unsupported_image_url")
+        check_url(fetch, url, what=what, param=param_url)
+        return ImageInput(None, url, param_url, detail)
     raise bad_request(f"{what}: unsupported URL (expected data:image/<type>;base64,...)", param_url,
                       "invalid_image_url")
 

@@ -4,12 +4,14 @@ Only what the LLM service can honour is accepted: anything it cannot (``n`` > 1,
 tools, penalties other than vLLM's repetition penalty, top-k alternatives of
 logprobs, ...) is a 400 naming the field, never silently ignored. vLLM's extra
 sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``,
-``skip_special_tokens``, ``stop_token_ids``, ``add_generation_prompt``) pass
-through, as the openai client's ``extra_body`` sends them.
+``skip_special_tokens``, ``stop_token_ids``, ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``) pass through, as the openai
+client's ``extra_body`` sends them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from modalmesh import pb
 from services.gateway.errors import bad_request
-from services.gateway.media import audio_bytes, image_bytes, parse_data_url
+from services.gateway.fetch import FetchPolicy
+from services.gateway.media import audio_bytes, image_input, parse_data_url
 
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -30,6 +33,17 @@ class Limits:
     max_image_bytes: int
     max_audio_bytes: int
     local_media_root: Path | None = None
+    fetch: FetchPolicy = FetchPolicy()  # which http(s) image URLs may be fetched (services/gateway/fetch.py)
+    low_detail_max_pixels: int = 512 * 512  # --low-detail-max-pixels: an image's budget at detail "low"
+
+
+@dataclass(frozen=True)
+class MediaFetch:
+    """An http(s) image the gateway fetches before the call: its bytes go to chat.messages[message].content[part]."""
+    url: str
+    param: str
+    message: int
+    part: int
 
 
 @dataclass
@@ -41,6 +55,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: bool = False
     item_params: list[str] = field(default_factory=list)  # request path of each image / audio, in order
+    fetches: list[MediaFetch] = field(default_factory=list)  # http(s) images still to fetch (Gateway._fetch_media)
 
 
 # ---- typed field access -------------------------------------------------------------------------
@@ -171,7 +186,8 @@ def requested_model(body: dict) -> str | None:
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
-def _content_parts(content, m: int, limits: Limits, item_params: list[str]) -> list[pb.ContentPart]:
+def _content_parts(content, m: int, limits: Limits, item_params: list[str],
+                   fetches: list[MediaFetch]) -> list[pb.ContentPart]:
     param = f"messages[{m}].content"
     if content is None:
         return []
@@ -193,8 +209,14 @@ def _content_parts(content, m: int, limits: Limits, item_params: list[str]) -> l
             continue
         item_params.append(pj)
         if kind == "image_url":
-            data = image_bytes(part, param=pj, max_bytes=limits.max_image_bytes, local_root=limits.local_media_root)
-            parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data))))
+            image = image_input(part, param=pj, max_bytes=limits.max_image_bytes, local_root=limits.local_media_root,
+                                fetch=limits.fetch)
+            item = pb.EncodeItem(data=image.data or b"")
+            if image.detail == "low":  # as vLLM's mm_processor_kwargs max_pixels; high / auto: the checkpoint's
+                item.max_pixels = limits.low_detail_max_pixels
+            if image.url is not None:
+                fetches.append(MediaFetch(image.url, image.param, m, len(parts)))
+            parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.IMAGE, input=item)))
         elif kind == "input_audio":
             data = audio_bytes(part, param=pj, max_bytes=limits.max_audio_bytes)
             parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=data))))
@@ -223,6 +245,7 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
         _unsupported("response_format", "text output only")
     chat = pb.Chat()
     item_params: list[str] = []
+    fetches: list[MediaFetch] = []
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
             raise bad_request("each message must be an object", f"messages[{m}]")
@@ -232,15 +255,26 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
                               f"messages[{m}].role")
         if message.get("tool_calls") or message.get("function_call"):
             _unsupported(f"messages[{m}].tool_calls", "no tool calling")
-        parts = _content_parts(message.get("content"), m, limits, item_params)
+        parts = _content_parts(message.get("content"), m, limits, item_params, fetches)
         chat.messages.append(pb.ChatMessage(role=ROLES[role], content=parts))
     if (add := _boolean(body, "add_generation_prompt")) is not None:
         chat.add_generation_prompt = add
+    if _boolean(body, "continue_final_message"):
+        if add:  # vLLM's rule; unset, add_generation_prompt defaults to false here (vLLM wants it sent)
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        chat.continue_final_message = True
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if kwargs:  # the LLM checks the names against apply_chat_template's own
+            chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     stream, include_usage = _stream_options(body)
     sampling = sampling_params(body, chat=True)
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
     return ParsedRequest("chat", requested_model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
-                         item_params)
+                         item_params, fetches)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------

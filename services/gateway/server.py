@@ -45,6 +45,7 @@ from services.gateway import protocol
 from services.gateway.backends import Backend
 from services.gateway.config import GatewayConfig, build_parser
 from services.gateway.errors import APIError, bad_request, from_grpc
+from services.gateway.fetch import MediaFetcher, fetch_all
 
 log = logging.getLogger("modalmesh.gateway")
 
@@ -101,11 +102,17 @@ class Gateway:
         self._bodies = 0  # bytes reserved by request bodies in flight (_body_budget)
         self.limits = protocol.Limits(max_image_bytes=int(config.max_image_mb * MiB),
                                       max_audio_bytes=int(config.max_audio_mb * MiB),
-                                      local_media_root=config.local_media_root)
+                                      local_media_root=config.local_media_root, fetch=config.fetch,
+                                      low_detail_max_pixels=config.low_detail_max_pixels)
+        self.fetcher = MediaFetcher(config.fetch)
         max_message = config.max_message_mb * MiB
         security = config.security
         self.llm = Backend("llm", config.llm, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
                            on_change=self._health_changed, security=security) if config.llm else None
+        # --more-llms: each serves its own model id; a request's `model` picks one (self.llm: when it names none).
+        self.more_llms = [Backend(f"llm{i}", target, pb.llm_pb2_grpc.LLMServiceStub, max_message_bytes=max_message,
+                                  on_change=self._health_changed, security=security)
+                          for i, target in enumerate(config.more_llms, start=1)]
         self.vae = Backend("vae", config.vae, pb.vae_pb2_grpc.VAEServiceStub, max_message_bytes=max_message,
                            on_change=self._health_changed, security=security) if config.vae else None
         self.app = web.Application(client_max_size=int(config.max_request_mb * MiB),
@@ -123,16 +130,18 @@ class Gateway:
 
     @property
     def backends(self) -> list[Backend]:
-        return [b for b in (self.llm, self.vae) if b is not None]
+        return [b for b in (self.llm, *self.more_llms, self.vae) if b is not None]
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         for backend in self.backends:
             backend.start()
+        self.fetcher.start()
 
     async def close(self) -> None:
         for backend in self.backends:
             await backend.close()
+        await self.fetcher.close()
 
     @property
     def ready(self) -> bool:
@@ -253,12 +262,29 @@ class Gateway:
                                 f"{': ' + backend.detail if backend.detail else ''})", code="not_ready")
         return backend
 
+    def _served(self) -> list[tuple[str, Backend]]:
+        """(model id, LLM) for every LLM whose model id is known, --llm first."""
+        out = [(self.model_id, self.llm)] if self.llm is not None and self.model_id else []
+        out += [(b.info.model_id, b) for b in self.more_llms if b.info is not None]
+        return out
+
+    def _route(self, model: str | None) -> tuple[Backend, str]:
+        """The LLM serving `model` (None: --llm's), ready, and the model id to answer with."""
+        if model is None or not self.more_llms:
+            return self._require(self.llm, "--llm"), self._check_model(model)
+        for served, backend in self._served():
+            if served == model:
+                flag = "--llm" if backend is self.llm else "--more-llms"
+                return self._require(backend, flag), served
+        return self._require(self.llm, "--llm"), self._check_model(model)  # the 404 names what is served
+
     def _check_model(self, model: str | None) -> str:
         served = self.model_id or ""
-        if model is not None and model != served:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.",
-                           param="model", code="model_not_found")
-        return served
+        ids = [m for m, _ in self._served()] or [served]
+        if model is not None and model not in ids:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                                f"{', '.join(f'`{m}`' for m in ids)}.", param="model", code="model_not_found")
+        return model if model is not None else served
 
     async def _json(self, request: web.Request) -> dict:
         raw = await self._read_body(request)
@@ -291,14 +317,15 @@ class Gateway:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await self._json(request)
-        llm = self._require(self.llm, "--llm")
-        model = self._check_model(protocol.requested_model(body))
+        llm, model = self._route(protocol.requested_model(body))
         rid = protocol.new_id(kind)
         if kind == "chat":
             parse = lambda: protocol.chat_request(body, self.limits, rid)  # noqa: E731
         else:
             parse = lambda: protocol.completion_request(body, rid)  # noqa: E731
         parsed = await asyncio.to_thread(parse) if (request.content_length or 0) > PARSE_IN_THREAD_BYTES else parse()
+        if parsed.fetches:
+            await self._fetch_media(parsed)
         fingerprint = llm.info.weights_fingerprint or None
         timeout = self.config.request_timeout or None
         # The request id and the trace context go to the LLM in the call's metadata.
@@ -324,6 +351,14 @@ class Gateway:
             return await self._stream(request, call, first, acc, parsed, rid, model, fingerprint)
         finally:
             call.cancel()  # no-op once the call finished; a client gone mid-request aborts it (KV freed)
+
+    async def _fetch_media(self, parsed: protocol.ParsedRequest) -> None:
+        """The request's http(s) images, fetched concurrently into their items (a 400 names a refused one)."""
+        max_bytes = self.limits.max_image_bytes
+        bodies = await fetch_all(self.fetcher.fetch(f.url, what=f.param, param=f.param, max_bytes=max_bytes)
+                                 for f in parsed.fetches)
+        for f, data in zip(parsed.fetches, bodies):
+            parsed.grpc.chat.messages[f.message].content[f.part].item.input.data = data
 
     @staticmethod
     async def _read(call, item_params: list[str]):
@@ -387,19 +422,19 @@ class Gateway:
         return response
 
     # -- /v1/models ---------------------------------------------------------------------------------
-    def _model_card(self) -> dict:
-        info = self.llm.info
-        return {"id": self.model_id, "object": "model", "created": self.started, "owned_by": "modalmesh",
+    def _model_card(self, model: str, backend: Backend) -> dict:
+        info = backend.info
+        return {"id": model, "object": "model", "created": self.started, "owned_by": "modalmesh",
                 "root": info.model_id, "parent": None, "max_model_len": info.max_model_len}
 
     async def list_models(self, request: web.Request) -> web.Response:
         self._require(self.llm, "--llm")
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(m, b) for m, b in self._served() if b.ready]
+        return web.json_response({"object": "list", "data": cards})
 
     async def get_model(self, request: web.Request) -> web.Response:
-        self._require(self.llm, "--llm")
-        self._check_model(request.match_info["model"])
-        return web.json_response(self._model_card())
+        backend, model = self._route(request.match_info["model"])
+        return web.json_response(self._model_card(model, backend))
 
     # -- /v1/images/decode --------------------------------------------------------------------------
     async def images_decode(self, request: web.Request) -> web.Response:

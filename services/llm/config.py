@@ -16,6 +16,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 
 from modalmesh.config import ModelConfig
@@ -63,6 +64,7 @@ class LLMConfig:
     dist_port: int = 0  # rendezvous port of the rank group on 127.0.0.1 (rank 0 picks it before spawning)
     encoders: EncoderTargets = EncoderTargets()
     limits: RequestLimits = RequestLimits()
+    chat_template: str | None = None  # --chat-template's text; None: the checkpoint's own
     log_level: str = "INFO"
     log_format: str = "text"  # --log-format, for the rank processes too (modalmesh.logs)
     gc_freeze: bool = True  # --no-gc-freeze turns it off; the ranks >= 1 freeze their heaps too (modalmesh.heap)
@@ -124,4 +126,23 @@ class LLMConfig:
                                  max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
             log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
             gc_freeze=getattr(args, "gc_freeze", True),
+            chat_template=read_chat_template(getattr(args, "chat_template", None)),
         )
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template FILE's text, its Jinja syntax checked at start-up (a typo is one line, exit 2, not an
+    error on every chat request)."""
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({exc})") from None
+    if not text.strip():
+        raise ConfigError(f"--chat-template {path}: the file is empty")
+    try:  # transformers renders with the loopcontrols extension; parse as it would
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"--chat-template {path}: line {exc.lineno}: {exc.message}") from None
+    return text

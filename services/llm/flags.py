@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an Encode may take when the Generate call has no deadline")
     parser.add_argument("--allow-foreign-encoders", action="store_true",
                         help="accept embeddings from encoders of another checkpoint (width is still checked)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template to render chat requests with, in place of the checkpoint's")
     limits = RequestLimits()
     parser.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
                         help="stop strings one request may send")

@@ -10,8 +10,10 @@ item's rows (vLLM style), a run already as long as the rows is taken as is
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from modalmesh import pb
@@ -42,6 +44,11 @@ class PreparedPrompt:
     mrope_delta: int = 0
 
 
+# Video positions as HF computes them for Qwen2-VL: frames one temporal position apart (mrope.py). Qwen2.5-VL
+# spaces them by seconds per grid step, which needs the frame rate: not taken yet, so its video is refused.
+VIDEO_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration"})
+
+
 def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
     """modality -> placeholder token id, for what this checkpoint supports."""
     ids = {}
@@ -49,6 +56,8 @@ def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
         ids[pb.IMAGE] = cfg.image_token_id
     if cfg.audio_token_id is not None:
         ids[pb.AUDIO] = cfg.audio_token_id
+    if cfg.video_token_id is not None and VIDEO_ARCHITECTURES.intersection(cfg.architectures):
+        ids[pb.VIDEO] = cfg.video_token_id
     return ids
 
 
@@ -62,9 +71,9 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
             if part.HasField("text"):
                 parts.append({"type": "text", "text": part.text})
             elif part.HasField("item"):
-                kind = {pb.IMAGE: "image", pb.AUDIO: "audio"}.get(part.item.modality)
+                kind = {pb.IMAGE: "image", pb.AUDIO: "audio", pb.VIDEO: "video"}.get(part.item.modality)
                 if kind is None:
-                    raise InvalidArgument(f"chat.messages[{m}]: an item has no modality (IMAGE or AUDIO)")
+                    raise InvalidArgument(f"chat.messages[{m}]: an item has no modality (IMAGE, AUDIO or VIDEO)")
                 parts.append({"type": kind})
                 items.append(part.item)
         # Text-only messages as plain strings: every chat template understands those.
@@ -75,7 +84,58 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
     return messages, items
 
 
-def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], list[pb.MultimodalItem]]:
+# apply_chat_template's own parameters and the variables it sets itself: a chat_template_kwargs key
+# naming one would change how the prompt is built rather than pass a value to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def template_kwargs(chat: pb.Chat) -> dict:
+    """chat_template_kwargs_json -> the keyword arguments it gives the template (INVALID_ARGUMENT naming the
+    problem)."""
+    if not chat.chat_template_kwargs_json:
+        return {}
+    try:
+        kwargs = json.loads(chat.chat_template_kwargs_json)
+    except ValueError as exc:
+        raise InvalidArgument(f"chat.chat_template_kwargs_json is not JSON ({exc})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat.chat_template_kwargs_json must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidArgument(f"chat_template_kwargs: {', '.join(reserved)} cannot be set there (a request field "
+                              "or the server decides it)")
+    return kwargs
+
+
+def render_chat(chat: pb.Chat, tokenizer, chat_template: str | None = None) -> tuple[str, list[pb.MultimodalItem]]:
+    """The chat as the template renders it: `chat_template` (--chat-template) or else the checkpoint's."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt, or start the "
+                              "service with --chat-template FILE")
+    messages, items = _chat_messages(chat)
+    kwargs = template_kwargs(chat)
+    cont = chat.continue_final_message
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+    if cont and add:
+        raise InvalidArgument("chat: continue_final_message and add_generation_prompt cannot both be true")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add, continue_final_message=cont, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        # The template's own raise_exception (a role it does not take, ...) or a value it cannot use: the
+        # request's fault. TypeError: a kwarg of the wrong type used in an expression.
+        raise InvalidArgument(f"chat: the chat template could not render this conversation "
+                              f"({type(exc).__name__}: {exc})") from None
+    return text, items
+
+
+def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int,
+                    chat_template: str | None = None) -> tuple[list[int], list[pb.MultimodalItem]]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         return list(tokenizer(request.text)["input_ids"]), list(request.items)
@@ -88,11 +148,7 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
     if kind == "chat":
         if request.items:
             raise InvalidArgument("items: with a chat prompt, put items inside the messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt")
-        messages, items = _chat_messages(request.chat)
-        add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        text, items = render_chat(request.chat, tokenizer, chat_template)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), items
     raise InvalidArgument("prompt: give text, token_ids or chat")
 
@@ -104,6 +160,10 @@ def check_modalities(items: list[pb.MultimodalItem] | list[Embedding], cfg: Mode
         if item.modality not in placeholders:
             name = pb.Modality.Name(item.modality) if item.modality in pb.Modality.values() else item.modality
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
+        raw = isinstance(item, pb.MultimodalItem) and item.WhichOneof("source") != "embedding"
+        if item.modality == pb.VIDEO and raw:
+            raise InvalidArgument(f"items[{i}]: video is taken as a precomputed embedding only (no encoder takes raw "
+                                  "video yet)")
 
 
 def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem] | list[Embedding],
@@ -206,11 +266,12 @@ def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
     if uses_mrope:
         image_spans = []
         for span in spans:
-            if span.modality != pb.IMAGE:
+            if span.modality not in (pb.IMAGE, pb.VIDEO):
                 continue
             grid = span.grid_thw
             if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
-                raise InvalidArgument(f"image at token {span.start}: grid_thw {list(grid)} does not describe its "
+                kind = "video" if span.modality == pb.VIDEO else "image"
+                raise InvalidArgument(f"{kind} at token {span.start}: grid_thw {list(grid)} does not describe its "
                                       f"{span.embedding.shape[0]} rows (merge {spatial_merge})")
             image_spans.append((span.start, grid))
         prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), image_spans, spatial_merge)

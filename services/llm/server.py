@@ -141,7 +141,7 @@ class LLMService(Service):
                                            limits=limits)
         limits.check_items(len(request.items) + sum(part.HasField("item") for m in request.chat.messages
                                                     for part in m.content))
-        ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size)
+        ids, items = tokenize_prompt(request, self.tokenizer, cfg.vocab_size, self.config.chat_template)
         check_modalities(items, cfg)
         if items:  # before any Encode: a request that cannot fit is refused without encoding its items
             need = prompt_length_before_encoding(ids, items, cfg, image_grid=self.image_grid)

@@ -4,7 +4,7 @@ No torchvision: PIL for decoding and resampling, numpy for the arithmetic, in th
 same order and precision as transformers' PIL processors (``Qwen2VLImageProcessorPil``,
 ``SiglipImageProcessorPil``), so ``pixel_values`` match them bit for bit:
 
-1. decode (PNG / JPEG / WebP), refusing images larger than ``max_image_pixels``
+1. decode (every format PIL decodes by itself: FORMATS), refusing images larger than ``max_image_pixels``
    *before* the pixels are decoded (decompression bombs), EXIF orientation applied;
 2. to RGB as the processor does it: anything with alpha (RGBA, LA, palette with
    transparency) is composited onto white, greyscale / palette / CMYK converted;
@@ -39,7 +39,12 @@ from modalmesh.image_grid import MAX_ASPECT_RATIO, pixel_bounds, smart_resize  #
 from modalmesh.rpc.codec import from_proto
 from services.vision_encoder.decode_memory import DEFAULT_MAX_DECODED_BYTES, MiB, decoded_bytes
 
-FORMATS = ("PNG", "JPEG", "WEBP")
+Image.init()  # every plugin registered, so FORMATS is every format this PIL opens
+# Every format PIL decodes by itself (GIF and other multi-frame files: the first frame, as PIL opens them), less
+# EPS, which PIL renders by running Ghostscript on the bytes (an outside program fed untrusted input), and the
+# stub formats PIL recognises but cannot decode without a handler an application registers.
+UNSAFE_OR_STUB_FORMATS = frozenset({"EPS", "BUFR", "GRIB", "HDF5", "MPEG", "WMF"})
+FORMATS = tuple(sorted(set(Image.OPEN) - UNSAFE_OR_STUB_FORMATS))
 ORIENTATION_TAG = 0x0112  # EXIF's Orientation, which ImageOps.exif_transpose undoes
 from services.vision_encoder.flags import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402 - the flag's default
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -182,7 +187,7 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
         except Image.DecompressionBombError as e:
             raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
         except Image.UnidentifiedImageError:
-            raise InvalidArgument(f"{where}: data is not a decodable {'/'.join(formats)} image "
+            raise InvalidArgument(f"{where}: data is not a decodable {_format_names(formats)} image "
                                   f"({len(item.data)} bytes starting {item.data[:8]!r})") from None
         except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise InvalidArgument(f"{where}: corrupt or truncated image data ({type(e).__name__}: {e})") from None
@@ -199,6 +204,11 @@ def image_header(item: pb.EncodeItem, index: int, *, max_image_pixels: int = DEF
                 return smaller
     raise InvalidArgument(f"{where}: a {header[0]}x{header[1]} {header[2]} image decodes to {size / MiB:.0f} MiB; "
                           f"the server's limit is {max_decoded_bytes / MiB:.0f} MiB (--max-image-decoded-mb)")
+
+
+def _format_names(formats: tuple[str, ...]) -> str:
+    """A short name for the accepted formats in an error (all of PIL's are too many to list)."""
+    return "image format PIL decodes (PNG, JPEG, WebP, GIF, BMP, TIFF, ...):" if formats == FORMATS else "/".join(formats)
 
 
 def _jpeg_facts(image: Image.Image) -> dict:
@@ -259,7 +269,7 @@ def _decode_bytes(data: bytes, where: str, max_image_pixels: int, formats: tuple
     except Image.DecompressionBombError as e:
         raise InvalidArgument(f"{where}: image too large to decode, refused before decoding ({e})") from None
     except Image.UnidentifiedImageError:
-        raise InvalidArgument(f"{where}: data is not a decodable {'/'.join(formats)} image "
+        raise InvalidArgument(f"{where}: data is not a decodable {_format_names(formats)} image "
                               f"({len(data)} bytes starting {data[:8]!r})") from None
     except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as e:  # truncated / corrupt streams
         raise InvalidArgument(f"{where}: corrupt or truncated image data ({type(e).__name__}: {e})") from None
