@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from modalmesh.testing import tiny
-from services.llm.detokenizer import Decoder, IncrementalDetokenizer, add_batch
+from services.llm.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -62,34 +62,3 @@ def test_stop_strings_truncate_and_never_leak(tokenizer, stop, expected):
     for d in deltas:  # at no point did the client see the start of a stop string that then completed
         emitted += d
         assert not any(s in emitted for s in stop)
-
-
-def test_a_batch_of_adds_streams_what_one_add_after_another_does(tokenizer):
-    """`add_batch` (one decode_batch per step, as the engine runs it) against each detokenizer fed alone, and
-    against HF's full decode: multi-byte text, random ids past nothing, special tokens kept or skipped, a
-    stop string, and sequences that stop while others go on."""
-    rng = random.Random(1)
-    vocab = len(tokenizer)
-    texts = ["Héllo wörld 🙂🚀 日本語", "plain words and more words", "abc STOP never shown", "数字 123 🙂"]
-    streams = [tokenizer(t)["input_ids"] for t in texts]
-    streams += [[rng.randrange(vocab) for _ in range(25)] for _ in range(4)]
-    options = [dict(), dict(skip_special_tokens=False), dict(stop=("STOP",)), dict()] * 2
-    steps = max(len(ids) for ids in streams)
-    decoder = Decoder(tokenizer)
-    batched = [IncrementalDetokenizer(tokenizer, [1, 2], decoder=decoder, **kw) for kw in options]
-    alone = [IncrementalDetokenizer(tokenizer, [1, 2], **kw) for kw in options]
-    got, want = [[] for _ in streams], [[] for _ in streams]
-    for t in range(steps):
-        live = [i for i, ids in enumerate(streams) if t < len(ids) and not batched[i].stopped]
-        for i, text in zip(live, add_batch([batched[i] for i in live], [streams[i][t] for i in live])):
-            got[i].append(text)
-        for i in live:
-            want[i].append(alone[i].add(streams[i][t]))
-    for i in range(len(streams)):
-        got[i].append(batched[i].finish())
-        want[i].append(alone[i].finish())
-    assert got == want
-    assert "".join(got[0]) == texts[0] and "".join(got[2]) == "abc " and batched[2].stopped
-    for i in (4, 5, 7):
-        assert "".join(got[i]) == tokenizer.decode(streams[i], skip_special_tokens=options[i].get(
-            "skip_special_tokens", True))

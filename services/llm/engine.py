@@ -22,7 +22,7 @@ import torch
 
 from modalmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from modalmesh.metrics import Metrics
-from services.llm.detokenizer import Decoder, IncrementalDetokenizer, add_batch
+from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
@@ -41,7 +41,6 @@ class LLMEngine:
         self.runner = runner
         self.pool = runner.pool
         self.tokenizer = tokenizer
-        self.decoder = Decoder(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = config.max_model_len
@@ -96,7 +95,7 @@ class LLMEngine:
         state = RequestState(
             request_id, params, prompt, SamplerRow.create(params, prompt.token_ids, self.device),
             IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop, decoder=self.decoder),
+                                   stop=params.stop),
             emit,
         )
         self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state)))
@@ -244,14 +243,9 @@ class LLMEngine:
         """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
         t0 = time.perf_counter()
         batched: dict[asyncio.AbstractEventLoop, list] = {}
-        # Every sequence's new token detokenised at once (one decode_batch, the GIL released), then each
-        # one's stop checks and delta; a sequence ending on EOS / a stop token only flushes its text.
-        adding = [i for i, (_, _, finish) in enumerate(ended) if finish != "stop"]
-        texts = dict(zip(adding, add_batch([ended[i][0].chunk.seq.state.detokenizer for i in adding],
-                                           [ended[i][0].token for i in adding])))
-        for i, (s, index, finish) in enumerate(ended):
+        for s, index, finish in ended:
             state = s.chunk.seq.state
-            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now, texts.get(i))
+            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now)
             if isinstance(state.emit, ThreadSafeEmitter):
                 batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
             else:
@@ -264,8 +258,7 @@ class LLMEngine:
         self.phase_seconds["post"] += time.perf_counter() - t0
 
     def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob: float, finish: str | None,
-                  now: float, added: str | None = None) -> Delta:
-        """The token's delta; `added`: what `state.detokenizer.add(token)` returned, when already run."""
+                  now: float) -> Delta:
         state = seq.state
         params = state.params
         first = state.last_token_at is None
@@ -281,7 +274,7 @@ class LLMEngine:
         if finish == "stop":  # EOS or a stop token: not part of the text
             text = state.detokenizer.finish()
         else:
-            text = state.detokenizer.add(token) if added is None else added
+            text = state.detokenizer.add(token)
             if state.detokenizer.stopped:  # a stop string: ends the sequence, whatever `advance` said
                 finish = self._stop(seq, index)
             elif finish == "length":
