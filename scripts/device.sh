@@ -104,6 +104,15 @@ for name in "$@"; do
                 --llm-flag=--no-gc-freeze
             step serve-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
                 bench/serve.py --start --requests 1024' ;;
+        final-17)  # issue 17's closing call on one GPU: the CUDA tests, the table, serving with and without the freeze
+            step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py
+            step llm-final 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256
+            step serve-final 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024
+            step serve-final-nofreeze 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024 \
+                --llm-flag=--no-gc-freeze
+            step serve-final-prev 120 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
+                bench/serve.py --start --requests 1024'
+            step placement-shared 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
         cold-prefill)  # the first eager prefill after start-up, profiled, then the same batch warm
