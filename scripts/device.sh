@@ -113,6 +113,14 @@ for name in "$@"; do
             step serve-final-prev 120 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
                 bench/serve.py --start --requests 1024'
             step placement-shared 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared ;;
+        serve-long-ab)  # 4,096 requests each (the 1,024-request runs varied by +-15 %): this tree, without the gc
+            # freeze, the code before (.prev), and this tree again
+            step serve-long-now 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096
+            step serve-long-nofreeze 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 \
+                --llm-flag=--no-gc-freeze
+            step serve-long-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
+                bench/serve.py --start --requests 4096'
+            step serve-long-now2 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         serve-tp1) step serve-tp1 300 env CUDA_VISIBLE_DEVICES=1 python3 bench/serve.py --start --tp 1 ;;
         serve-tp2) step serve-tp2 300 python3 bench/serve.py --start --tp 2 ;;
         cold-prefill)  # the first eager prefill after start-up, profiled, then the same batch warm
