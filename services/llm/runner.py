@@ -71,7 +71,7 @@ class InFlight:
         self._chunks = chunks
         self.tokens = tokens
         self.rows = {c.seq.seq_id: i for i, c in enumerate(chunks)}
-        self.feeds_next = all(c.seq.state.sampler.seen is None for c in chunks)
+        self.feeds_next = all(c.seq.state.sampler.feeds_next for c in chunks)
         self.pending: dict = {}  # seq_id -> index of its PENDING output (the engine's `advance`)
         self.ending: dict = {}  # seq_id -> "length": known to end with this step's token
         self._tokens, self._logprobs, self._ready = tokens, logprobs, None

@@ -1,0 +1,89 @@
+"""Structured output: compiling a request's schema / regex / grammar with xgrammar, off the engine thread.
+
+The sampler applies a compiled grammar as a token mask (services/llm/sampling.py); this module turns
+a `StructuredOutput` into the compiled grammar, once per distinct spec: compiling a JSON schema takes
+milliseconds to seconds, so it runs in a worker thread (never on the event loop nor the engine thread)
+and its result is kept in a bounded LRU cache. A spec xgrammar cannot compile is INVALID_ARGUMENT naming
+the field, and never reaches the engine.
+
+JSON is compiled without free whitespace (xgrammar's ``any_whitespace=False``: compact separators): a
+small or random model otherwise can spend its whole budget on spaces and newlines inside a valid
+document that never closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+
+from modalmesh.errors import InvalidArgument
+from services.llm.sampling import StructuredOutput
+
+CACHE_SIZE = 256  # compiled grammars kept (a few KB to a few MB each)
+
+
+class GrammarCompiler:
+    """One per LLM service: xgrammar's tokenizer info and compiler for its checkpoint, and the cache."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], *, cache_size: int = CACHE_SIZE):
+        import xgrammar
+
+        self._xgr = xgrammar
+        # The model's vocabulary can be larger than the tokenizer's (padding rows): xgrammar masks those.
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                            stop_token_ids=sorted(eos_token_ids) or None)
+        self._compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)  # ours below is bounded
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cache_size = cache_size
+        self.compilations = 0  # grammars actually compiled (the rest came from the cache)
+
+    async def compile(self, spec: StructuredOutput):
+        """The compiled grammar of `spec`, from the cache or compiled in a worker thread."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        compiled = await asyncio.to_thread(self._compile, spec)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput):
+        where = f"sampling.structured.{spec.kind}"
+        c = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                try:
+                    schema = json.loads(spec.spec)
+                except ValueError as exc:
+                    raise InvalidArgument(f"{where}: not JSON ({exc})") from None
+                if not isinstance(schema, dict):
+                    raise InvalidArgument(f"{where}: a JSON schema must be an object")
+                compiled = c.compile_json_schema(spec.spec, any_whitespace=False)
+            elif spec.kind == "json_object":
+                # Any JSON object: the schema {"type": "object"} with any properties.
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.spec)
+            elif spec.kind == "choice":
+                # An alternation of literal strings, each escaped as an EBNF string literal.
+                body = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.spec)
+                compiled = c.compile_grammar(f"root ::= {body}")
+            elif spec.kind == "grammar":
+                compiled = c.compile_grammar(spec.spec)
+            else:
+                raise InvalidArgument(f"sampling.structured: unknown kind {spec.kind!r}")
+        except InvalidArgument:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidArgument(f"{where}: xgrammar cannot compile it: {message}") from None
+        self.compilations += 1
+        return compiled
