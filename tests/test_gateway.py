@@ -385,7 +385,7 @@ BAD_REQUESTS = {
     "audio-to-a-vision-llm": (_user(audio_part(audio(0.5, 4))), 400, "invalid_argument", "messages[0].content[0]"),
     "bad-audio-format": (_user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}), 400,
                          "invalid_audio_format", "messages[0].content[0].input_audio.format"),
-    "n-2": ({**_user({"type": "text", "text": "hi"}), "n": 2}, 400, "unsupported_parameter", "n"),
+    "n-17": ({**_user({"type": "text", "text": "hi"}), "n": 17}, 400, None, "n"),
     "tools": ({**_user({"type": "text", "text": "hi"}), "tools": [{"type": "function"}]}, 400,
               "unsupported_parameter", "tools"),
     "bad-temperature": ({**_user({"type": "text", "text": "hi"}), "temperature": "hot"}, 400, None, "temperature"),
