@@ -184,13 +184,14 @@ class SamplerRow:
     bias: torch.Tensor | None = field(default=None, repr=False)  # (V,) logit_bias, dense
     min_tokens_mask: torch.Tensor | None = field(default=None, repr=False)  # ids barred before min_tokens
     matcher: object | None = field(default=None, repr=False)  # xgrammar.GrammarMatcher
+    barred: torch.Tensor | None = field(default=None, repr=False)  # ids the grammar bars besides its mask
     generated: int = 0  # tokens this row has sampled (min_tokens)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: list[int], device: torch.device, *, vocab_size: int = 0,
                eos_token_ids=(), grammar=None) -> SamplerRow:
-        """`vocab_size` sizes the dense tensors (penalties, bias); `grammar` is a compiled xgrammar grammar
-        (services/llm/structured.py) for structured output."""
+        """`vocab_size` sizes the dense tensors (penalties, bias); `grammar` is a
+        services.llm.structured.Grammar for structured output."""
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=device)
@@ -217,7 +218,9 @@ class SamplerRow:
             import xgrammar
 
             # The engine's EOS ids are the grammar's stop tokens: a finished grammar allows only them.
-            row.matcher = xgrammar.GrammarMatcher(grammar, override_stop_tokens=sorted(eos_token_ids) or None)
+            row.matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=sorted(eos_token_ids) or None)
+            if grammar.barred_ids:
+                row.barred = host_to_device(list(grammar.barred_ids), torch.long, device)
         return row
 
     @property
@@ -267,6 +270,9 @@ def _grammar_mask(processed: torch.Tensor, rows: list[SamplerRow]) -> None:
         if row.matcher is not None and not row.matcher.is_terminated():
             row.matcher.fill_next_token_bitmask(bitmask, i)
     xgrammar.apply_token_bitmask_inplace(processed, bitmask.to(processed.device), vocab_size=vocab)
+    for i, row in enumerate(rows):
+        if row.barred is not None:
+            processed[i].index_fill_(0, row.barred, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:

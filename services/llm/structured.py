@@ -8,20 +8,34 @@ the field, and never reaches the engine.
 
 JSON is compiled without free whitespace (xgrammar's ``any_whitespace=False``: compact separators): a
 small or random model otherwise can spend its whole budget on spaces and newlines inside a valid
-document that never closes.
+document that never closes. Compact JSON never holds a raw control character (U+0000-U+001F must be
+escaped inside strings), but xgrammar 0.2.9's mask lets tokens decoding to them into strings (a tiny
+random model wrote ``"\x00"`` and json.loads refused it), so a JSON grammar also bars every token whose
+bytes hold one (`Grammar.barred_ids`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from modalmesh.errors import InvalidArgument
 from services.llm.sampling import StructuredOutput
 
 CACHE_SIZE = 256  # compiled grammars kept (a few KB to a few MB each)
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:11:13] /project/cpp/x.cc:94: " (noise to a client)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar, and tokens barred besides what its mask bars (see the module docstring)."""
+
+    compiled: object  # xgrammar.CompiledGrammar
+    barred_ids: tuple[int, ...] = ()
 
 
 class GrammarCompiler:
@@ -39,8 +53,17 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache_size = cache_size
         self.compilations = 0  # grammars actually compiled (the rest came from the cache)
+        self._control_ids: tuple[int, ...] | None = None
 
-    async def compile(self, spec: StructuredOutput):
+    def control_ids(self) -> tuple[int, ...]:
+        """Tokens whose bytes hold a control character (never part of compact JSON)."""
+        if self._control_ids is None:
+            special = set(self.info.special_token_ids)
+            self._control_ids = tuple(i for i, piece in enumerate(self.info.decoded_vocab)
+                                      if i not in special and any(b < 0x20 for b in piece))
+        return self._control_ids
+
+    async def compile(self, spec: StructuredOutput) -> Grammar:
         """The compiled grammar of `spec`, from the cache or compiled in a worker thread."""
         with self._lock:
             hit = self._cache.get(spec)
@@ -84,6 +107,8 @@ class GrammarCompiler:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            message = _CPP_PREFIX.sub("", message)
             raise InvalidArgument(f"{where}: xgrammar cannot compile it: {message}") from None
         self.compilations += 1
-        return compiled
+        barred = self.control_ids() if spec.kind in ("json_schema", "json_object") else ()
+        return Grammar(compiled, barred)
