@@ -25,12 +25,31 @@ COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device
 GATEWAY = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace-period", "10"]
 MODEL = "qwen2"
 PROMPT = "The quick brown fox"
+# A Hermes / Qwen2.5-style template (the tiny checkpoint's own knows no tools): tools in a system block,
+# calls as <tool_call> JSON, tool results as <tool_response>.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for tool in tools %}\n{{ tool.function.name }}: {{ tool.function.parameters | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("sampling")
     model_dir = tiny.ensure(MODEL, root)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(model_dir)
     llm = ServiceProcess("llm", [*COMMON, "--model", str(model_dir), "--kv-cache-tokens", "4096"]).start()
     procs = [llm]
     try:
@@ -276,3 +295,113 @@ def test_unsupported_fields_are_400_through_the_client(stack, extra):
         client(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                               max_tokens=3, extra_body=extra)
     assert next(iter(extra)) in err.value.message
+
+
+# ---- tools ------------------------------------------------------------------------------------------------
+# Small: the tiny tokenizer spends about a token per character, and the tiny model takes 512.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": 0, "maximum": 12}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+CONVERSATION = [
+    {"role": "user", "content": "Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18"},
+    {"role": "user", "content": "Time?"},
+]
+SHORT = [{"role": "user", "content": "Time?"}]  # leaves the tiny model room for a call
+
+
+def _check_call(call, tools=TOOLS):
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+
+
+def test_tools_and_tool_messages_go_through_the_chat_template(stack, hf):
+    _, tok = hf
+    c = client(stack)
+    chat = c.chat.completions.create(model=MODEL, messages=CONVERSATION, tools=TOOLS, tool_choice="none",
+                                     max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    # The reference: HF's own rendering of the same messages and tools (arguments as objects, HF's convention).
+    messages = json.loads(json.dumps(CONVERSATION))
+    messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "unit": "c"}
+    text = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "get_time" in text and "<tool_response>\n18" in text
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    ref = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == ref.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tool_choice_required_makes_a_valid_call_streamed_as_openai_does(stack, seed):
+    c = client(stack)
+    kwargs = dict(model=MODEL, messages=SHORT, tools=TOOLS, tool_choice="required", max_tokens=200,
+                  temperature=1.0, seed=seed)
+    r = c.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    _check_call(choice.message.tool_calls[0])
+    calls, finish = {}, None
+    for chunk in c.chat.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    want = choice.message.tool_calls[0].function
+    assert finish == "tool_calls" and [(e["name"], e["arguments"]) for e in calls.values()] == [
+        (want.name, want.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+def test_a_named_tool_choice_calls_that_tool(stack):
+    r = client(stack).chat.completions.create(
+        model=MODEL, messages=SHORT, tools=TOOLS, max_tokens=200, temperature=1.0, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = r.choices[0].message.tool_calls
+    assert [call.function.name for call in calls] == ["get_time"]
+    _check_call(calls[0])
+
+
+def test_tool_choice_auto_parses_what_the_model_writes(stack):
+    # A random model never calls on its own: a guided choice makes it write content then a Hermes call.
+    written = 'Hm.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}\n</tool_call>'
+    c = client(stack)
+    kwargs = dict(model=MODEL, messages=SHORT, tools=TOOLS, max_tokens=200, temperature=0.0,
+                  extra_body={"guided_choice": [written]})
+    r = c.chat.completions.create(**kwargs)
+    message = r.choices[0].message
+    assert message.content == "Hm." and r.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "f"})]
+    content, args = "", ""
+    for chunk in c.chat.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                args += d.function.arguments or ""
+    assert content == "Hm." and json.loads(args) == {"city": "Oslo", "unit": "f"}
+    # tool_choice none: the same text is content, not a call.
+    none = c.chat.completions.create(**kwargs, tool_choice="none")
+    assert none.choices[0].message.content == written and not none.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400(stack, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                              **body)
+    assert err.value.body["param"] == param

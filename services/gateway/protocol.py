@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modalmesh import pb
+from services.gateway import tools as tools_mod
 from services.gateway.errors import bad_request
 from services.gateway.media import audio_bytes, image_bytes, parse_data_url
 
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 UINT64 = 1 << 64
 
 
@@ -45,6 +46,7 @@ class ParsedRequest:
     item_params: list[str] = field(default_factory=list)  # request path of each image / audio, in order
     top_logprobs: int = 0  # alternatives per token in the response
     echo: str = ""  # completions with echo: the prompt text, before each choice's text
+    tools: tools_mod.ToolRequest | None = None  # chat with tools: answers are parsed for tool calls
 
 
 # ---- fields refused by name -----------------------------------------------------------------------
@@ -64,9 +66,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "service_tier": (("auto", "default"), "one service tier"),
     "functions": (([],), "the deprecated functions field: use tools"),
     "function_call": (("none",), "the deprecated function_call field: use tool_choice"),
-    "tools": (([],), "no tool calling yet"),
-    # Without tools these ask for nothing (parallel_tool_calls never does, so it is not listed).
-    "tool_choice": (("none", "auto"), "no tool calling yet"),
     # vLLM extras
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
@@ -394,19 +393,38 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
             raise bad_request("each message must be an object", f"messages[{m}]")
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"role {role!r} is not supported; use system, developer, user or assistant",
+            raise bad_request(f"role {role!r} is not supported; use system, developer, user, assistant or tool",
                               f"messages[{m}].role")
-        if message.get("tool_calls") or message.get("function_call"):
-            _unsupported(f"messages[{m}].tool_calls", "no tool calling")
+        if message.get("function_call"):
+            _unsupported(f"messages[{m}].function_call", "the deprecated function_call: use tool_calls")
+        if message.get("tool_calls") and role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"messages[{m}].tool_calls")
         parts = _content_parts(message.get("content"), m, limits, item_params)
-        chat.messages.append(pb.ChatMessage(role=ROLES[role], content=parts))
+        msg = pb.ChatMessage(role=ROLES[role], content=parts, tool_calls=tools_mod.message_tool_calls(message, m))
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request("a tool message needs the tool_call_id it answers", f"messages[{m}].tool_call_id")
+            msg.tool_call_id = call_id
+            if isinstance(message.get("name"), str):
+                msg.name = message["name"]
+        chat.messages.append(msg)
     if (add := _boolean(body, "add_generation_prompt")) is not None:
         chat.add_generation_prompt = add
     stream, include_usage = _stream_options(body)
     sampling = sampling_params(body, chat=True)
+    tool_req = tools_mod.tool_request(body)
+    if tool_req is not None:
+        chat.tools = json.dumps(tool_req.tools, ensure_ascii=False)
+        schema = tool_req.grammar_schema()
+        if schema is not None:  # required / named: the grammar makes the model call
+            if sampling.HasField("structured"):
+                raise bad_request("tool_choice required or named cannot be combined with structured output",
+                                  "tool_choice")
+            sampling.structured.tool_call = schema
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
     return ParsedRequest("chat", requested_model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
-                         item_params, sampling.top_logprobs)
+                         item_params, sampling.top_logprobs, tools=tool_req if tool_req and tool_req.parse else None)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
@@ -549,6 +567,7 @@ class Choices:
         n = parsed.grpc.sampling.n or 1
         self.kind = kind
         self.by_index = [Accumulator(kind, parsed.logprobs, parsed.top_logprobs, parsed.echo) for _ in range(n)]
+        self.tools = parsed.tools is not None  # answers are parsed for tool calls
 
     def __getitem__(self, index: int) -> Accumulator:
         if not 0 <= index < len(self.by_index):
@@ -573,11 +592,17 @@ class Choices:
         return out
 
 
-def _choice(kind: str, index: int, acc: Accumulator) -> dict:
+def _choice(kind: str, index: int, acc: Accumulator, tools: bool = False) -> dict:
     text = "".join(acc.text)
     if kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        finish = acc.finish_reason
+        if tools:
+            content, calls = tools_mod.parse(text)
+            if calls:
+                message.update(content=content, tool_calls=calls)
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": acc.full_logprobs(), "finish_reason": finish}
     return {"index": index, "text": text, "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
 
 
@@ -585,7 +610,7 @@ def completion_body(kind: str, rid: str, model: str, acc: Accumulator | Choices,
     if isinstance(acc, Accumulator):
         choices, total = [_choice(kind, 0, acc)], acc.usage
     else:
-        choices, total = [_choice(kind, i, a) for i, a in enumerate(acc.by_index)], acc.usage
+        choices, total = [_choice(kind, i, a, acc.tools) for i, a in enumerate(acc.by_index)], acc.usage
     obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": total}
@@ -618,6 +643,9 @@ class ChunkMaker:
 
     def finish(self, finish_reason: str, index: int = 0) -> dict:
         return self.content("", None, finish_reason, index)
+
+    def tool_calls(self, deltas: list[dict], index: int = 0) -> dict:
+        return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
 
     def usage(self, u: dict) -> dict:
         return {**self.base, "choices": [], "usage": u}

@@ -41,7 +41,7 @@ from modalmesh import pb
 from modalmesh import tracing
 from modalmesh.service import PortInUse, run_process, start_metrics_exporter
 from services.gateway import latents as latents_mod
-from services.gateway import protocol
+from services.gateway import protocol, tools
 from services.gateway.backends import Backend
 from services.gateway.config import GatewayConfig, build_parser
 from services.gateway.errors import APIError, bad_request, from_grpc
@@ -366,6 +366,8 @@ class Gateway:
                 elif parsed.echo:
                     await response.write(_sse(chunks.content(parsed.echo, None, index=index)))
             message = first
+            # With tools, each choice's text goes through a tool-call parser: content, then calls as they close.
+            parsers = [tools.StreamParser() for _ in acc.by_index] if acc.tools else None
             try:
                 while message is not grpc.aio.EOF:
                     self._observe(request, message)
@@ -373,10 +375,21 @@ class Gateway:
                     text, logprobs = choice.add(message)
                     if message.finish_reason == pb.ABORT:
                         raise APIError(503, "the LLM aborted the request", code="aborted")
+                    calls: list[dict] = []
+                    if parsers is not None:
+                        parser = parsers[message.index]
+                        text, calls = parser.feed(text)
+                        if message.finish_reason:
+                            text += parser.finish()
                     if text or logprobs:
                         await response.write(_sse(chunks.content(text, logprobs, index=message.index)))
+                    if calls:
+                        await response.write(_sse(chunks.tool_calls(calls, message.index)))
                     if message.finish_reason:
-                        await response.write(_sse(chunks.finish(choice.finish_reason, message.index)))
+                        finish = choice.finish_reason
+                        if parsers is not None and parsers[message.index].calls and finish == "stop":
+                            finish = "tool_calls"
+                        await response.write(_sse(chunks.finish(finish, message.index)))
                         if parsed.include_usage and acc.finished:
                             await response.write(_sse(chunks.usage(acc.usage)))
                     message = await self._read(call, parsed.item_params)

@@ -10,6 +10,7 @@ item's rows (vLLM style), a run already as long as the rows is taken as is
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -69,10 +70,41 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
                 items.append(part.item)
         # Text-only messages as plain strings: every chat template understands those.
         if all(p["type"] == "text" for p in parts):
-            messages.append({"role": message.role, "content": "".join(p["text"] for p in parts)})
+            entry = {"role": message.role, "content": "".join(p["text"] for p in parts)}
         else:
-            messages.append({"role": message.role, "content": parts})
+            entry = {"role": message.role, "content": parts}
+        if message.tool_calls:
+            entry["tool_calls"] = [_tool_call(call, f"chat.messages[{m}].tool_calls[{c}]")
+                                   for c, call in enumerate(message.tool_calls)]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        messages.append(entry)
     return messages, items
+
+
+def _tool_call(call: pb.ToolCall, where: str) -> dict:
+    """A call as chat templates read it (HF's convention): arguments as an object, not its JSON text."""
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        raise InvalidArgument(f"{where}.arguments is not JSON") from None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(f"{where}.arguments must be a JSON object")
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _tools(chat: pb.Chat) -> list[dict] | None:
+    if not chat.tools:
+        return None
+    try:
+        tools = json.loads(chat.tools)
+    except ValueError:
+        raise InvalidArgument("chat.tools is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("chat.tools must be a JSON list of tool objects")
+    return tools
 
 
 def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> tuple[list[int], list[pb.MultimodalItem]]:
@@ -92,7 +124,8 @@ def tokenize_prompt(request: pb.GenerateRequest, tokenizer, vocab_size: int) -> 
             raise InvalidArgument("chat: this checkpoint has no chat template; send a text prompt")
         messages, items = _chat_messages(request.chat)
         add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        text = tokenizer.apply_chat_template(messages, tools=_tools(request.chat), tokenize=False,
+                                             add_generation_prompt=add)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), items
     raise InvalidArgument("prompt: give text, token_ids or chat")
 

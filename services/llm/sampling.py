@@ -42,7 +42,7 @@ class StructuredOutput:
     kind: str
     spec: str | tuple[str, ...] = ""
 
-    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ class GrammarCompiler:
                 compiled = c.compile_grammar(f"root ::= {body}")
             elif spec.kind == "grammar":
                 compiled = c.compile_grammar(spec.spec)
+            elif spec.kind == "tool_call":
+                compiled = c.compile_grammar(self._tool_call_grammar(spec.spec, where))
             else:
                 raise InvalidArgument(f"sampling.structured: unknown kind {spec.kind!r}")
         except InvalidArgument:
@@ -110,5 +112,20 @@ class GrammarCompiler:
             message = _CPP_PREFIX.sub("", message)
             raise InvalidArgument(f"{where}: xgrammar cannot compile it: {message}") from None
         self.compilations += 1
+        # A tool call's wrapper holds newlines, so nothing is barred there; the gateway parses the call's JSON
+        # leniently (raw control characters allowed) and sends it on re-serialised.
         barred = self.control_ids() if spec.kind in ("json_schema", "json_object") else ()
         return Grammar(compiled, barred)
+
+    def _tool_call_grammar(self, schema_text: str, where: str):
+        """Hermes / Qwen's tool-call block around a JSON object matching `schema_text`."""
+        try:
+            schema = json.loads(schema_text)
+        except ValueError as exc:
+            raise InvalidArgument(f"{where}: not JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"{where}: a JSON schema must be an object")
+        g = self._xgr.Grammar
+        return g.concat(g.from_ebnf('root ::= "<tool_call>\\n"'),
+                        g.from_json_schema(schema_text, any_whitespace=False),
+                        g.from_ebnf('root ::= "\\n</tool_call>"'))
