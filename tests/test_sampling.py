@@ -238,3 +238,35 @@ def test_from_proto_reads_and_checks_the_openai_fields():
             bad.logit_bias[t] = b
         with pytest.raises(InvalidArgument, match=match):
             SamplingParams.from_proto(bad, default_max_tokens=10, vocab_size=100)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_openai_fields_on_cuda_equal_the_cpu():
+    torch.manual_seed(9)
+    logits = torch.randn(4, 64) * 2
+    eos = 5
+
+    def rows(device):
+        made = [
+            SamplerRow.create(SamplingParams(temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5,
+                                             logit_bias=((3, 4.0), (7, -9.0)), logprobs=1, top_logprobs=4), [1, 2],
+                              device, vocab_size=64),
+            SamplerRow.create(SamplingParams(temperature=0.0, min_tokens=2), [], device, eos_token_ids=(eos,)),
+            SamplerRow.create(SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=-1.0), [9],
+                              device, vocab_size=64),
+            SamplerRow.create(SamplingParams(temperature=0.0, logprobs=1), [], device),
+        ]
+        return made
+
+    out = {}
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        rs, picks = rows(device), []
+        for step in range(4):
+            tokens, lp = sample((logits + step).to(device), rs)
+            picks.append((tokens.tolist(), lp.cpu()))
+            for r, t in zip(rs, tokens.tolist()):
+                r.observe(t)
+        out[device.type] = picks
+    for (cpu_t, cpu_lp), (cuda_t, cuda_lp) in zip(out["cpu"], out["cuda"]):
+        assert cpu_t == cuda_t
+        torch.testing.assert_close(cpu_lp, cuda_lp, atol=1e-4, rtol=1e-4)
