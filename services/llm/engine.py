@@ -76,7 +76,7 @@ class LLMEngine:
     # -- called from the event loop ---------------------------------------------------------
     def add(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams,
             emit: Callable[[Delta], None], *, grammar=None) -> None:
-        """`grammar`: the compiled xgrammar grammar of `params.structured` (compiled off this thread)."""
+        """`grammar`: `params.structured` compiled (a services.llm.structured.Grammar, made off this thread)."""
         n = len(prompt.token_ids)
         if n == 0:
             raise InvalidArgument("prompt is empty")

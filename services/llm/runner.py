@@ -64,7 +64,8 @@ class InFlight:
 
     `tokens` stays on the device for the next step (`carry`); `rows` is each sampled sequence's row in it.
     `feeds_next` is False when a row's sampler needs the token on the host before it samples again (the
-    repetition penalty's seen tokens): then the engine waits for this step before it schedules the next."""
+    repetition penalty's seen tokens, a grammar's state: `SamplerRow.feeds_next`): then the engine waits for
+    this step before it schedules the next."""
 
     def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None):
         self.step = step
