@@ -120,3 +120,15 @@ def test_tool_call_responses_parse_as_openai_types():
     _, deltas = tools.StreamParser().feed(CALL)
     chunk = ChatCompletionChunk.model_validate(maker.tool_calls(deltas))
     assert chunk.choices[0].delta.tool_calls[0].function.name == "f"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = CALL + CALL.replace('"x": 1', '"x": 2')
+    assert len(tools.parse(two)[1]) == 2 and len(tools.parse(two, parallel=False)[1]) == 1
+    parser = tools.StreamParser(parallel=False)
+    _, deltas = parser.feed(two)
+    assert [d["function"]["arguments"] for d in deltas if "id" not in d] == ['{"x": 1}']
+    parsed = protocol.chat_request(chat(tools=[F], parallel_tool_calls=False), LIMITS, "r")
+    assert parsed.tools.parallel is False
+    with pytest.raises(APIError):
+        protocol.chat_request(chat(tools=[F], parallel_tool_calls="no"), LIMITS, "r")

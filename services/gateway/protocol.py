@@ -567,7 +567,7 @@ class Choices:
         n = parsed.grpc.sampling.n or 1
         self.kind = kind
         self.by_index = [Accumulator(kind, parsed.logprobs, parsed.top_logprobs, parsed.echo) for _ in range(n)]
-        self.tools = parsed.tools is not None  # answers are parsed for tool calls
+        self.tools = parsed.tools  # with tools, answers are parsed for tool calls
 
     def __getitem__(self, index: int) -> Accumulator:
         if not 0 <= index < len(self.by_index):
@@ -592,13 +592,13 @@ class Choices:
         return out
 
 
-def _choice(kind: str, index: int, acc: Accumulator, tools: bool = False) -> dict:
+def _choice(kind: str, index: int, acc: Accumulator, tools: tools_mod.ToolRequest | None = None) -> dict:
     text = "".join(acc.text)
     if kind == "chat":
         message = {"role": "assistant", "content": text, "refusal": None}
         finish = acc.finish_reason
-        if tools:
-            content, calls = tools_mod.parse(text)
+        if tools is not None:
+            content, calls = tools_mod.parse(text, parallel=tools.parallel)
             if calls:
                 message.update(content=content, tool_calls=calls)
                 finish = "tool_calls" if finish == "stop" else finish

@@ -367,7 +367,7 @@ class Gateway:
                     await response.write(_sse(chunks.content(parsed.echo, None, index=index)))
             message = first
             # With tools, each choice's text goes through a tool-call parser: content, then calls as they close.
-            parsers = [tools.StreamParser() for _ in acc.by_index] if acc.tools else None
+            parsers = [tools.StreamParser(acc.tools.parallel) for _ in acc.by_index] if acc.tools else None
             try:
                 while message is not grpc.aio.EOF:
                     self._observe(request, message)

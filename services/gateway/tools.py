@@ -33,6 +33,7 @@ class ToolRequest:
     tools: list[dict]
     choice: str
     names: tuple[str, ...]
+    parallel: bool = True  # parallel_tool_calls: false keeps an answer's first call only
 
     @property
     def parse(self) -> bool:
@@ -53,6 +54,9 @@ class ToolRequest:
 def tool_request(body: dict) -> ToolRequest | None:
     """The request's tools and tool_choice, checked; None when it has no tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -87,7 +91,7 @@ def tool_request(body: dict) -> ToolRequest | None:
         choice = fn["name"]
     elif choice not in ("auto", "none", "required"):
         raise bad_request("tool_choice must be auto, none, required or a named function", "tool_choice")
-    return ToolRequest(tools, choice, tuple(names))
+    return ToolRequest(tools, choice, tuple(names), parallel is not False)
 
 
 def message_tool_calls(message: dict, m: int) -> list[pb.ToolCall]:
@@ -130,10 +134,10 @@ def _call(block: str) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse(text: str) -> tuple[str | None, list[dict]]:
+def parse(text: str, *, parallel: bool = True) -> tuple[str | None, list[dict]]:
     """Content and tool calls of a whole answer (vLLM's hermes parser: the content is what precedes the
-    first call; an answer with no call object is all content)."""
-    calls = [c for c in (_call(m.group(1)) for m in _BLOCK.finditer(text)) if c is not None]
+    first call; an answer with no call object is all content). Not `parallel`: the first call only."""
+    calls = [c for c in (_call(m.group(1)) for m in _BLOCK.finditer(text)) if c is not None][:None if parallel else 1]
     if not calls:
         return text, []
     content = text[:text.index(OPEN)]
@@ -147,6 +151,7 @@ class StreamParser:
     delta with its id, type, name and empty arguments, then one with its arguments). What it sends adds up
     to what `parse` makes of the whole answer."""
 
+    parallel: bool = True  # False: calls after the first are dropped, as `parse` drops them
     buffer: str = ""  # text not yet parsed
     held: str = ""  # all text since the first "<tool_call>": content after all if no call comes of it
     in_calls: bool = False
@@ -172,7 +177,7 @@ class StreamParser:
                 break
             call = _call(match.group(1))
             self.buffer = self.buffer[match.end():]
-            if call is not None:
+            if call is not None and (self.parallel or not self.calls):
                 deltas += self._deltas(call)
         return content, deltas
 
