@@ -405,3 +405,27 @@ def test_bad_tool_requests_are_400(stack, body, param):
         client(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                               **body)
     assert err.value.body["param"] == param
+
+
+# ---- the gRPC surface -------------------------------------------------------------------------------------
+def test_grpc_n_tags_each_message_with_its_choice_and_bad_fields_are_invalid_argument(stack):
+    messages = generate(stack, text=PROMPT, sampling=pb.SamplingParams(n=2, seed=7, max_tokens=4, ignore_eos=True,
+                                                                       logprobs=1, top_logprobs=2))
+    for index in (0, 1):
+        mine = [m for m in messages if m.index == index]
+        assert sum(len(m.token_ids) for m in mine) == 4 and mine[-1].finish_reason == pb.LENGTH
+        assert all(len(m.top_logprobs) == len(m.token_ids) == len(m.tokens) for m in mine)
+    for bad, name in [(pb.SamplingParams(min_p=2.0), "min_p"), (pb.SamplingParams(n=99), "n must be"),
+                      (pb.SamplingParams(presence_penalty=3.0), "presence_penalty"),
+                      (pb.SamplingParams(structured=pb.StructuredOutput(regex="(")), "structured.regex"),
+                      (pb.SamplingParams(structured=pb.StructuredOutput(tool_call="[]")), "structured.tool_call")]:
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stack, text=PROMPT, sampling=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+    # The service is unharmed: the same request as before answers the same.
+    again = generate(stack, text=PROMPT, sampling=pb.SamplingParams(n=2, seed=7, max_tokens=4, ignore_eos=True,
+                                                                    logprobs=1, top_logprobs=2))
+    def by_choice(ms):  # how tokens group into messages depends on timing; each choice's tokens do not
+        return [[t for m in ms if m.index == i for t in m.token_ids] for i in (0, 1)]
+
+    assert by_choice(again) == by_choice(messages) and by_choice(messages)[0] != by_choice(messages)[1]
