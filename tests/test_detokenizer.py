@@ -62,3 +62,16 @@ def test_stop_strings_truncate_and_never_leak(tokenizer, stop, expected):
     for d in deltas:  # at no point did the client see the start of a stop string that then completed
         emitted += d
         assert not any(s in emitted for s in stop)
+
+
+def test_include_stop_str_keeps_the_stop_string_and_min_tokens_lets_an_early_one_pass(tokenizer):
+    text = "one, two, three, four."
+    ids = tokenizer(text)["input_ids"]
+    cut, detok = _stream(tokenizer, [], ids, stop=(", t",))
+    assert "".join(cut) == "one" and detok.stopped
+    kept, _ = _stream(tokenizer, [], ids, stop=(", t",), include_stop=True)
+    assert "".join(kept) == "one, t"
+    # Before min_tokens tokens a stop string ends nothing (vLLM): the first ", t" passes, a later one stops.
+    first_stop = next(i for i in range(1, len(ids) + 1) if ", t" in tokenizer.decode(ids[:i]))
+    late, detok = _stream(tokenizer, [], ids, stop=(", t",), min_tokens=first_stop + 1)
+    assert "".join(late) == "one, two" and detok.stopped

@@ -76,13 +76,52 @@ def test_sampling_fields_as_openai_names_them():
     assert protocol.sampling_params({"logprobs": None}, chat=False).logprobs == 0
 
 
+def test_openai_and_vllm_sampling_fields_reach_the_llm():
+    s = protocol.sampling_params({"n": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100,
+                                  "3": 2.5}, "min_p": 0.1, "min_tokens": 2, "include_stop_str_in_output": True,
+                                  "logprobs": True, "top_logprobs": 4}, chat=True)
+    assert (s.n, s.presence_penalty, s.frequency_penalty, dict(s.logit_bias), s.min_tokens) == (
+        3, 0.5, -1.0, {7: -100.0, 3: 2.5}, 2)
+    assert s.min_p == pytest.approx(0.1) and s.include_stop_str_in_output and (s.logprobs, s.top_logprobs) == (1, 4)
+    s = protocol.sampling_params({"logprobs": 3}, chat=False)
+    assert (s.logprobs, s.top_logprobs) == (1, 3)
+
+
+@pytest.mark.parametrize("body, want", [
+    ({"response_format": {"type": "json_object"}}, pb.StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     pb.StructuredOutput(json_schema='{"type": "integer"}')),
+    ({"guided_json": '{"type": "integer"}'}, pb.StructuredOutput(json_schema='{"type": "integer"}')),
+    ({"guided_regex": "a+"}, pb.StructuredOutput(regex="a+")),
+    ({"guided_choice": ["yes", "no"]}, pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes", "no"]))),
+    ({"guided_grammar": 'root ::= "a"'}, pb.StructuredOutput(grammar='root ::= "a"')),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, pb.StructuredOutput(json_schema='{"type": "integer"}')),
+    ({"structured_outputs": {"choice": ["a"]}}, pb.StructuredOutput(choice=pb.ChoiceList(choices=["a"]))),
+    ({"structured_outputs": {"json_object": True}}, pb.StructuredOutput(json_object=True)),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_structured_output_fields_become_one_structured_output(body, want):
+    s = protocol.sampling_params(body, chat=True)
+    assert (s.structured if s.HasField("structured") else None) == want
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"n": 3}, "n"), ({"temperature": True}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"temperature": True}, "temperature"), ({"temperature": -0.1}, "temperature"),
     ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"stop": ["", "a"]}, "stop"),
     ({"stop": 5}, "stop"), ({"seed": 1.5}, "seed"), ({"seed": 2**64}, "seed"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
-    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"logit_bias": {"a": 2}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": [1]}, "logit_bias"), ({"min_p": 2}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": 5}, "guided_json"), ({"guided_choice": []}, "guided_choice"), ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
 ])
 def test_bad_sampling_fields_name_the_field(body, param):
     refused(protocol.sampling_params, body, chat=True, expect_param=param)
@@ -93,12 +132,54 @@ def test_completion_prompts():
     assert protocol.completion_request({"prompt": ["hi"]}, "r").grpc.text == "hi"
     assert list(protocol.completion_request({"prompt": [1, 2]}, "r").grpc.token_ids.ids) == [1, 2]
     assert list(protocol.completion_request({"prompt": [[3, 4]]}, "r").grpc.token_ids.ids) == [3, 4]
-    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {}, {"prompt": "a", "echo": True},
-                {"prompt": "a", "logprobs": 2}, {"prompt": "a", "best_of": 2}):
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {}, {"prompt": "a", "echo": True, "logprobs": 1},
+                {"prompt": [1, 2], "echo": True}, {"prompt": "a", "logprobs": 21}, {"prompt": "a", "best_of": 2},
+                {"prompt": "a", "response_format": {"type": "json_object"}}):
         refused(protocol.completion_request, bad, "r")
+    assert protocol.completion_request({"prompt": "ab", "echo": True}, "r").echo == "ab"
     parsed = protocol.completion_request({"prompt": "a", "stream": True, "stream_options": {"include_usage": True}},
                                          "r")
     assert parsed.stream and parsed.include_usage
+
+
+# Every known field this server does not implement is a 400 naming it, on both routes where it applies.
+REFUSED = {
+    "best_of": 2, "suffix": "x", "audio": {"voice": "alloy"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "store": True,
+    "reasoning_effort": "low", "verbosity": "low", "service_tier": "flex", "functions": [{"name": "f"}],
+    "function_call": "auto", "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True,
+    "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"], "truncate_prompt_tokens": 5,
+    "spaces_between_special_tokens": False, "logits_processors": ["x"], "guided_decoding_backend": "outlines",
+    "guided_whitespace_pattern": " ", "structural_tag": "x", "documents": [{"t": 1}],
+    "mm_processor_kwargs": {"max_pixels": 5}, "return_tokens_as_token_ids": True, "return_token_ids": True,
+    "priority": 1, "cache_salt": "s", "kv_transfer_params": {}, "vllm_xargs": {}, "add_special_tokens": True,
+}
+TEMPLATE = {"chat_template": "{{ x }}"}  # chat_template_kwargs / continue_final_message work: test_templates.py
+
+
+def test_the_refused_lists_are_the_tests_lists():
+    # A field added to the server's lists gets a case here (and one taken out, a test of what it does).
+    assert set(REFUSED) == set(protocol.UNSUPPORTED) and set(TEMPLATE) == set(protocol.TEMPLATE_FIELDS)
+
+
+@pytest.mark.parametrize("key", list(REFUSED) + list(TEMPLATE) + ["echo"])
+def test_every_unsupported_chat_field_is_a_400_naming_it(key):
+    value = {**REFUSED, **TEMPLATE, "echo": True}[key]
+    err = refused(protocol.chat_request, chat("hi", **{key: value}), LIMITS, "r", expect_param=key)
+    assert err.code == "unsupported_parameter" and key in err.message
+
+
+@pytest.mark.parametrize("key", list(REFUSED))
+def test_every_unsupported_completion_field_is_a_400_naming_it(key):
+    err = refused(protocol.completion_request, {"prompt": "hi", key: REFUSED[key]}, "r", expect_param=key)
+    assert err.code == "unsupported_parameter"
+
+
+def test_fields_set_to_what_asks_for_nothing_pass():
+    body = chat("hi", n=1, best_of=1, store=False, modalities=["text"], service_tier="auto", tools=[],
+                tool_choice="none", use_beam_search=False, length_penalty=1.0, echo=False, chat_template_kwargs={},
+                continue_final_message=False, guided_decoding_backend="xgrammar", user="u", metadata={"a": "b"})
+    protocol.chat_request(body, LIMITS, "r")
 
 
 @pytest.mark.parametrize("content,param", [

@@ -1,12 +1,13 @@
 """OpenAI request bodies -> GenerateRequest, and GenerateResponse deltas -> OpenAI responses.
 
-Only what the LLM service can honour is accepted: anything it cannot (``n`` > 1,
-tools, penalties other than vLLM's repetition penalty, top-k alternatives of
-logprobs, ...) is a 400 naming the field, never silently ignored. vLLM's extra
-sampling fields (``top_k``, ``repetition_penalty``, ``ignore_eos``,
-``skip_special_tokens``, ``stop_token_ids``, ``add_generation_prompt``,
-``continue_final_message``, ``chat_template_kwargs``) pass through, as the openai
-client's ``extra_body`` sends them.
+Only what the LLM service can honour is accepted: every OpenAI field and known vLLM
+extra it cannot honour (UNSUPPORTED, TEMPLATE_FIELDS below) is a 400 naming the field,
+never silently ignored. vLLM's extra sampling fields (``top_k``, ``repetition_penalty``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``skip_special_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs``, the ``guided_*`` /
+``structured_outputs`` fields) pass through, as the openai client's ``extra_body`` sends them.
+Fields nobody knows are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modalmesh import pb
+from services.gateway import tools as tools_mod
 from services.gateway.errors import bad_request
 from services.gateway.fetch import FetchPolicy
 from services.gateway.media import audio_bytes, image_input, parse_data_url
 
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 UINT64 = 1 << 64
 
 
@@ -55,7 +57,67 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: bool = False
     item_params: list[str] = field(default_factory=list)  # request path of each image / audio, in order
+    top_logprobs: int = 0  # alternatives per token in the response
+    echo: str = ""  # completions with echo: the prompt text, before each choice's text
+    tools: tools_mod.ToolRequest | None = None  # chat with tools: answers are parsed for tool calls
     fetches: list[MediaFetch] = field(default_factory=list)  # http(s) images still to fetch (Gateway._fetch_media)
+
+
+# ---- fields refused by name -----------------------------------------------------------------------
+# Known fields this server does not implement: name -> (values that ask for nothing, why). A field set
+# to anything else is a 400 naming it (a client relying on it must not get a 200 that ignored it).
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    # OpenAI
+    "best_of": ((1,), "one candidate per choice (use n)"),
+    "suffix": (("",), "no insertion"),
+    "audio": ((), "text output only"),
+    "modalities": ((["text"],), "text output only"),
+    "prediction": ((), "no predicted outputs"),
+    "web_search_options": ((), "no web search"),
+    "store": ((False,), "nothing is stored"),
+    "reasoning_effort": ((), "no reasoning controls"),
+    "verbosity": ((), "no verbosity control"),
+    "service_tier": (("auto", "default"), "one service tier"),
+    "functions": (([],), "the deprecated functions field: use tools"),
+    "function_call": (("none",), "the deprecated function_call field: use tool_choice"),
+    # vLLM extras
+    "use_beam_search": ((False,), "no beam search"),
+    "length_penalty": ((1, 1.0), "no beam search"),
+    "early_stopping": ((False,), "no beam search"),
+    "prompt_logprobs": ((), "no prompt logprobs yet"),
+    "allowed_token_ids": ((), "use logit_bias"),
+    "bad_words": (([],), "no bad-words filter"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated"),
+    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
+    "logits_processors": (([],), "no custom logits processors"),
+    "guided_decoding_backend": (("xgrammar", "auto"), "structured output runs on xgrammar only"),
+    "guided_whitespace_pattern": ((), "JSON is generated without free whitespace"),
+    "structural_tag": ((), "no structural tags"),
+    "documents": (([],), "no document templates"),
+    "mm_processor_kwargs": (({},), "no per-request processor options"),
+    "return_tokens_as_token_ids": ((False,), "tokens are returned as text"),
+    "return_token_ids": ((False,), "token ids are not returned"),
+    "priority": ((0,), "one priority: first come, first served"),
+    "cache_salt": ((), "no prefix cache to salt"),
+    "kv_transfer_params": ((), "no KV transfer"),
+    "vllm_xargs": ((), "no extra arguments"),
+    "add_special_tokens": ((), "the chat template decides the special tokens"),
+}
+# The chat-template fields not implemented (chat_template_kwargs and continue_final_message are): a request's
+# own template would run client-supplied Jinja on the server, so the service's --chat-template is the way.
+TEMPLATE_FIELDS: dict[str, tuple[tuple, str]] = {
+    "chat_template": ((), "the server's template is used (the LLM service's --chat-template, or the checkpoint's)"),
+}
+
+
+def refuse_unsupported(body: dict, *, chat: bool) -> None:
+    """A 400 for the first known field that asks for something this server does not do."""
+    for table in (UNSUPPORTED, TEMPLATE_FIELDS) if chat else (UNSUPPORTED,):
+        for key, (no_op, why) in table.items():
+            value = body.get(key)
+            if value is None or any(value == v and type(value) is type(v) for v in no_op):
+                continue
+            _unsupported(key, why)
 
 
 # ---- typed field access -------------------------------------------------------------------------
@@ -103,18 +165,46 @@ def _unsupported(key: str, why: str) -> None:
 
 
 # ---- sampling -------------------------------------------------------------------------------------
+MAX_N = 16  # the LLM's limit (services/llm/sampling.py)
+MAX_TOP_LOGPROBS = 20
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must be an object of token id -> bias", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token <= INT32_MAX:
+            raise bad_request(f"logit_bias token id {token} is out of range", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {value!r} for {key}",
+                              "logit_bias")
+        out[token] = float(value)
+    return out
+
+
 def sampling_params(body: dict, *, chat: bool) -> pb.SamplingParams:
     s = pb.SamplingParams()
-    n = _integer(body, "n")
-    if n is not None and n != 1:
-        _unsupported("n", "one choice per request (n = 1)")
-    if _integer(body, "best_of") not in (None, 1):
-        _unsupported("best_of", "one candidate per request")
+    if (n := _integer(body, "n", minimum=1, maximum=MAX_N)) is not None:
+        s.n = n
     for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key) not in (None, 0.0):
-            _unsupported(key, "use repetition_penalty (vLLM's) instead")
-    if body.get("logit_bias"):
-        _unsupported("logit_bias", "no logit bias")
+        if (v := _number(body, key, minimum=-2.0, maximum=2.0)) is not None:
+            setattr(s, key, v)
+    for token, bias in _logit_bias(body).items():
+        s.logit_bias[token] = bias
+    if (mp := _number(body, "min_p", minimum=0.0, maximum=1.0)) is not None:
+        s.min_p = mp
+    if (mt := _integer(body, "min_tokens", minimum=0, maximum=INT32_MAX)) is not None:
+        s.min_tokens = mt
+    if _boolean(body, "include_stop_str_in_output"):
+        s.include_stop_str_in_output = True
     if (t := _number(body, "temperature", minimum=0.0)) is not None:
         s.temperature = t
     if (p := _number(body, "top_p", minimum=0.0, maximum=1.0, exclusive_min=True)) is not None:
@@ -151,18 +241,92 @@ def sampling_params(body: dict, *, chat: bool) -> pb.SamplingParams:
         s.skip_special_tokens = skip
     if chat:
         want = _boolean(body, "logprobs")
-        top = _integer(body, "top_logprobs", minimum=0, maximum=20)
+        top = _integer(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
         if top and not want:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if top:
-            _unsupported("top_logprobs", "the LLM returns the sampled token's logprob only (top_logprobs 0)")
         s.logprobs = 1 if want else 0
-    else:
-        lp = _integer(body, "logprobs", minimum=0, maximum=5)
-        if lp:
-            _unsupported("logprobs", "the LLM returns the sampled token's logprob only: send logprobs 0")
-        s.logprobs = 1 if lp == 0 else 0
+        s.top_logprobs = top or 0
+    else:  # completions: logprobs k is the sampled token's logprob and k alternatives
+        lp = _integer(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        s.logprobs = 1 if lp is not None else 0
+        s.top_logprobs = lp or 0
+    structured = structured_output(body)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
     return s
+
+
+# ---- structured output ----------------------------------------------------------------------------
+def _schema_text(value, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"{param} must be a JSON schema (an object, or its JSON text)", param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be a JSON schema object", param)
+    return json.dumps(value)
+
+
+def _choices(value, param: str) -> pb.ChoiceList:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+    return pb.ChoiceList(choices=value)
+
+
+def _string(value, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    return value
+
+
+def structured_output(body: dict) -> pb.StructuredOutput | None:
+    """response_format, vLLM's guided_* fields and its structured_outputs object: at most one of them."""
+    found: list[tuple[str, pb.StructuredOutput]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", pb.StructuredOutput(json_object=True)))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad_request("response_format.json_schema must be an object with a schema",
+                                  "response_format.json_schema")
+            found.append(("response_format", pb.StructuredOutput(
+                json_schema=_schema_text(spec["schema"], "response_format.json_schema.schema"))))
+    guided = {
+        "guided_json": lambda v, p: pb.StructuredOutput(json_schema=_schema_text(v, p)),
+        "guided_regex": lambda v, p: pb.StructuredOutput(regex=_string(v, p)),
+        "guided_choice": lambda v, p: pb.StructuredOutput(choice=_choices(v, p)),
+        "guided_grammar": lambda v, p: pb.StructuredOutput(grammar=_string(v, p)),
+    }
+    for key, make in guided.items():
+        if body.get(key) is not None:
+            found.append((key, make(body[key], key)))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        kinds = {"json": lambda v, p: pb.StructuredOutput(json_schema=_schema_text(v, p)),
+                 "regex": guided["guided_regex"], "choice": guided["guided_choice"],
+                 "grammar": guided["guided_grammar"],
+                 "json_object": lambda v, p: pb.StructuredOutput(json_object=True) if v is True else None}
+        for key, value in so.items():
+            param = f"structured_outputs.{key}"
+            if value is None or (key == "json_object" and value is False):
+                continue
+            if key not in kinds:
+                _unsupported(param, "structured_outputs takes json, regex, choice, grammar or json_object")
+            made = kinds[key](value, param)
+            if made is None:
+                raise bad_request(f"{param} must be true or false", param)
+            found.append((param, made))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise bad_request(f"give one kind of structured output, not {names}", found[1][0])
+    return found[0][1] if found else None
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -238,11 +402,9 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    if body.get("tools") or body.get("functions"):
-        _unsupported("tools", "no tool calling")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        _unsupported("response_format", "text output only")
+    refuse_unsupported(body, chat=True)
+    if _boolean(body, "echo"):  # vLLM's chat echo: the last message's content repeated in the answer
+        _unsupported("echo", "chat completions do not echo the last message")
     chat = pb.Chat()
     item_params: list[str] = []
     fetches: list[MediaFetch] = []
@@ -251,12 +413,22 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
             raise bad_request("each message must be an object", f"messages[{m}]")
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"role {role!r} is not supported; use system, developer, user or assistant",
+            raise bad_request(f"role {role!r} is not supported; use system, developer, user, assistant or tool",
                               f"messages[{m}].role")
-        if message.get("tool_calls") or message.get("function_call"):
-            _unsupported(f"messages[{m}].tool_calls", "no tool calling")
+        if message.get("function_call"):
+            _unsupported(f"messages[{m}].function_call", "the deprecated function_call: use tool_calls")
+        if message.get("tool_calls") and role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"messages[{m}].tool_calls")
         parts = _content_parts(message.get("content"), m, limits, item_params, fetches)
-        chat.messages.append(pb.ChatMessage(role=ROLES[role], content=parts))
+        msg = pb.ChatMessage(role=ROLES[role], content=parts, tool_calls=tools_mod.message_tool_calls(message, m))
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request("a tool message needs the tool_call_id it answers", f"messages[{m}].tool_call_id")
+            msg.tool_call_id = call_id
+            if isinstance(message.get("name"), str):
+                msg.name = message["name"]
+        chat.messages.append(msg)
     if (add := _boolean(body, "add_generation_prompt")) is not None:
         chat.add_generation_prompt = add
     if _boolean(body, "continue_final_message"):
@@ -272,13 +444,26 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
             chat.chat_template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
     stream, include_usage = _stream_options(body)
     sampling = sampling_params(body, chat=True)
+    tool_req = tools_mod.tool_request(body)
+    if tool_req is not None:
+        chat.tools = json.dumps(tool_req.tools, ensure_ascii=False)
+        schema = tool_req.grammar_schema()
+        if schema is not None:  # required / named: the grammar makes the model call
+            if sampling.HasField("structured"):
+                raise bad_request("tool_choice required or named cannot be combined with structured output",
+                                  "tool_choice")
+            sampling.structured.tool_call = schema
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
     return ParsedRequest("chat", requested_model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
-                         item_params, fetches)
+                         item_params, sampling.top_logprobs, tools=tool_req if tool_req and tool_req.parse else None,
+                         fetches=fetches)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
 def completion_request(body: dict, request_id: str) -> ParsedRequest:
+    refuse_unsupported(body, chat=False)
+    if body.get("response_format") is not None:  # a chat field: completions constrain with guided_* / structured_outputs
+        _unsupported("response_format", "a chat completions field; use structured_outputs here")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -295,13 +480,17 @@ def completion_request(body: dict, request_id: str) -> ParsedRequest:
         _unsupported("prompt", "one prompt per request (send the prompts of a batch as separate requests)")
     else:
         raise bad_request("prompt must be a string or a list of token ids", "prompt")
-    if _boolean(body, "echo"):
-        _unsupported("echo", "the prompt is not echoed")
-    if body.get("suffix"):
-        _unsupported("suffix", "no insertion")
     stream, include_usage = _stream_options(body)
     req.sampling.CopyFrom(sampling_params(body, chat=False))
-    return ParsedRequest("completion", requested_model(body), req, stream, include_usage, req.sampling.logprobs > 0)
+    echo = ""
+    if _boolean(body, "echo"):
+        if req.sampling.logprobs:
+            _unsupported("echo", "echo with logprobs needs prompt logprobs, which the LLM does not compute yet")
+        if not req.HasField("text"):
+            _unsupported("echo", "echo needs a text prompt (the gateway has no tokenizer to show token ids as text)")
+        echo = req.text
+    return ParsedRequest("completion", requested_model(body), req, stream, include_usage, req.sampling.logprobs > 0,
+                         top_logprobs=req.sampling.top_logprobs, echo=echo)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -318,9 +507,12 @@ def usage(u: pb.Usage) -> dict:
 
 
 def token_strings(delta: pb.GenerateResponse) -> list[str]:
-    """A string per token of a delta: the delta's text when it holds one token and some text, else vLLM's
+    """A string per token of a delta: each token's own text as the LLM decoded it alone (vLLM's form), or
+    from an LLM that sends none, the delta's text when it holds one token and some text, else vLLM's
     ``token_id:<id>`` form (the gateway has no tokenizer; the LLM holds back incomplete UTF-8 and
     text that may start a stop string, so a delta's text is not always its token's)."""
+    if len(delta.tokens) == len(delta.token_ids):
+        return list(delta.tokens)
     if len(delta.token_ids) == 1 and delta.text:
         return [delta.text]
     return [f"token_id:{t}" for t in delta.token_ids]
@@ -332,14 +524,34 @@ class Accumulator:
 
     kind: str
     logprobs: bool
+    top_logprobs: int = 0  # alternatives per token the client asked for
+    echo: str = ""  # completions' echo: the prompt, before the generated text
     text: list[str] = field(default_factory=list)
     chat_logprobs: list[dict] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
+    completion_top: list[dict] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
     _chars: int = 0
+
+    def __post_init__(self):
+        if self.echo:
+            self.text.append(self.echo)
+            self._chars = len(self.echo)
+
+    def _alternatives(self, delta: pb.GenerateResponse, n: int) -> list[list[tuple[str, float]]]:
+        out = []
+        for j in range(n):
+            if j < len(delta.top_logprobs) and self.top_logprobs:
+                top = delta.top_logprobs[j]
+                strings = list(top.tokens) if len(top.tokens) == len(top.token_ids) else [
+                    f"token_id:{t}" for t in top.token_ids]
+                out.append(list(zip(strings, top.logprobs))[:self.top_logprobs])
+            else:
+                out.append([])
+        return out
 
     def add(self, delta: pb.GenerateResponse) -> tuple[str, dict | None]:
         """Fold one delta in; returns its text and its logprobs in the response's format (or None)."""
@@ -348,9 +560,11 @@ class Accumulator:
         if self.logprobs and delta.token_ids:
             strings = token_strings(delta)
             values = list(delta.logprobs) + [None] * (len(strings) - len(delta.logprobs))
+            alternatives = self._alternatives(delta, len(strings))
             if self.kind == "chat":
-                content = [{"token": s, "logprob": v, "bytes": list(s.encode()), "top_logprobs": []}
-                           for s, v in zip(strings, values)]
+                content = [{"token": s, "logprob": v, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": a, "logprob": av, "bytes": list(a.encode())} for a, av in alts]}
+                           for s, v, alts in zip(strings, values, alternatives)]
                 self.chat_logprobs += content
                 lp = {"content": content, "refusal": None}
             else:
@@ -358,7 +572,11 @@ class Accumulator:
                 self.tokens += strings
                 self.token_logprobs += values
                 self.text_offset += offsets
-                lp = {"tokens": strings, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+                top = None
+                if self.top_logprobs:  # OpenAI's shape: per position, {token text: logprob}
+                    top = [dict(alts) for alts in alternatives]
+                    self.completion_top += top
+                lp = {"tokens": strings, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
         self._chars += len(delta.text)
         if delta.finish_reason:
             self.finish_reason = FINISH_REASONS.get(delta.finish_reason, "stop")
@@ -370,21 +588,64 @@ class Accumulator:
             return None
         if self.kind == "chat":
             return {"content": self.chat_logprobs, "refusal": None}
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": None,
-                "text_offset": self.text_offset}
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.completion_top if self.top_logprobs else None, "text_offset": self.text_offset}
 
 
-def completion_body(kind: str, rid: str, model: str, acc: Accumulator, fingerprint: str | None) -> dict:
+class Choices:
+    """The n choices of one response, each its own Accumulator (the LLM tags each message with its index)."""
+
+    def __init__(self, kind: str, parsed: ParsedRequest):
+        n = parsed.grpc.sampling.n or 1
+        self.kind = kind
+        self.by_index = [Accumulator(kind, parsed.logprobs, parsed.top_logprobs, parsed.echo) for _ in range(n)]
+        self.tools = parsed.tools  # with tools, answers are parsed for tool calls
+
+    def __getitem__(self, index: int) -> Accumulator:
+        if not 0 <= index < len(self.by_index):
+            raise ValueError(f"the LLM answered for choice {index} of {len(self.by_index)}")
+        return self.by_index[index]
+
+    @property
+    def finished(self) -> bool:
+        return all(acc.finish_reason is not None for acc in self.by_index)
+
+    @property
+    def usage(self) -> dict | None:
+        """One usage for the response: the prompt once, the completions of every choice together."""
+        if not self.finished:
+            return None
+        prompt = self.by_index[0].usage["prompt_tokens"]
+        completion = sum(acc.usage["completion_tokens"] for acc in self.by_index)
+        out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        details = self.by_index[0].usage.get("prompt_tokens_details")
+        if details:
+            out["prompt_tokens_details"] = details
+        return out
+
+
+def _choice(kind: str, index: int, acc: Accumulator, tools: tools_mod.ToolRequest | None = None) -> dict:
     text = "".join(acc.text)
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
-        obj = "chat.completion"
+        message = {"role": "assistant", "content": text, "refusal": None}
+        finish = acc.finish_reason
+        if tools is not None:
+            content, calls = tools_mod.parse(text, parallel=tools.parallel)
+            if calls:
+                message.update(content=content, tool_calls=calls)
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": index, "message": message, "logprobs": acc.full_logprobs(), "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
+
+
+def completion_body(kind: str, rid: str, model: str, acc: Accumulator | Choices, fingerprint: str | None) -> dict:
+    if isinstance(acc, Accumulator):
+        choices, total = [_choice(kind, 0, acc)], acc.usage
     else:
-        choice = {"index": 0, "text": text, "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
-        obj = "text_completion"
+        choices, total = [_choice(kind, i, a, acc.tools) for i, a in enumerate(acc.by_index)], acc.usage
+    obj = "chat.completion" if kind == "chat" else "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "system_fingerprint": fingerprint, "choices": [choice], "usage": acc.usage}
+            "system_fingerprint": fingerprint, "choices": choices, "usage": total}
 
 
 class ChunkMaker:
@@ -402,18 +663,21 @@ class ChunkMaker:
             out["usage"] = None
         return out
 
-    def role(self) -> dict:
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def role(self, index: int = 0) -> dict:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
 
-    def content(self, text: str, logprobs: dict | None, finish_reason: str | None = None) -> dict:
+    def content(self, text: str, logprobs: dict | None, finish_reason: str | None = None, index: int = 0) -> dict:
         if self.kind == "chat":
             delta = {"content": text} if (text or finish_reason is None) else {}
-            return self._chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
-        return self._chunk({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+            return self._chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
 
-    def finish(self, finish_reason: str) -> dict:
-        return self.content("", None, finish_reason)
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return self.content("", None, finish_reason, index)
+
+    def tool_calls(self, deltas: list[dict], index: int = 0) -> dict:
+        return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
 
     def usage(self, u: dict) -> dict:
         return {**self.base, "choices": [], "usage": u}

@@ -41,7 +41,7 @@ from modalmesh import pb
 from modalmesh import tracing
 from modalmesh.service import PortInUse, run_process, start_metrics_exporter
 from services.gateway import latents as latents_mod
-from services.gateway import protocol
+from services.gateway import protocol, tools
 from services.gateway.backends import Backend
 from services.gateway.config import GatewayConfig, build_parser
 from services.gateway.errors import APIError, bad_request, from_grpc
@@ -334,16 +334,16 @@ class Gateway:
             first = await self._read(call, parsed.item_params)
             if first is grpc.aio.EOF:
                 raise APIError(500, "the LLM ended the stream without a result")
-            acc = protocol.Accumulator(kind, parsed.logprobs)
+            acc = protocol.Choices(kind, parsed)
             if not parsed.stream:
                 message = first
                 while message is not grpc.aio.EOF:
                     self._observe(request, message)
-                    acc.add(message)
+                    _choice(acc, message).add(message)
                     if message.finish_reason == pb.ABORT:
                         raise APIError(503, "the LLM aborted the request", code="aborted")
                     message = await self._read(call, parsed.item_params)
-                if acc.finish_reason is None:
+                if not acc.finished:
                     raise APIError(500, "the LLM ended the stream without a finish reason")
                 return web.json_response(protocol.completion_body(kind, rid, model, acc, fingerprint),
                                          headers={"X-Request-Id": request["request_id"]},
@@ -395,20 +395,37 @@ class Gateway:
         chunks = protocol.ChunkMaker(parsed.kind, rid, model, parsed.include_usage, fingerprint)
         try:
             await response.prepare(request)
-            if parsed.kind == "chat":
-                await response.write(_sse(chunks.role()))
+            for index in range(len(acc.by_index)):
+                if parsed.kind == "chat":
+                    await response.write(_sse(chunks.role(index)))
+                elif parsed.echo:
+                    await response.write(_sse(chunks.content(parsed.echo, None, index=index)))
             message = first
+            # With tools, each choice's text goes through a tool-call parser: content, then calls as they close.
+            parsers = [tools.StreamParser(acc.tools.parallel) for _ in acc.by_index] if acc.tools else None
             try:
                 while message is not grpc.aio.EOF:
                     self._observe(request, message)
-                    text, logprobs = acc.add(message)
+                    choice = _choice(acc, message)
+                    text, logprobs = choice.add(message)
                     if message.finish_reason == pb.ABORT:
                         raise APIError(503, "the LLM aborted the request", code="aborted")
+                    calls: list[dict] = []
+                    if parsers is not None:
+                        parser = parsers[message.index]
+                        text, calls = parser.feed(text)
+                        if message.finish_reason:
+                            text += parser.finish()
                     if text or logprobs:
-                        await response.write(_sse(chunks.content(text, logprobs)))
+                        await response.write(_sse(chunks.content(text, logprobs, index=message.index)))
+                    if calls:
+                        await response.write(_sse(chunks.tool_calls(calls, message.index)))
                     if message.finish_reason:
-                        await response.write(_sse(chunks.finish(acc.finish_reason)))
-                        if parsed.include_usage:
+                        finish = choice.finish_reason
+                        if parsers is not None and parsers[message.index].calls and finish == "stop":
+                            finish = "tool_calls"
+                        await response.write(_sse(chunks.finish(finish, message.index)))
+                        if parsed.include_usage and acc.finished:
                             await response.write(_sse(chunks.usage(acc.usage)))
                     message = await self._read(call, parsed.item_params)
             except APIError as err:  # mid-stream: the status is sent; OpenAI clients raise on an error event
@@ -513,6 +530,13 @@ class Gateway:
             state = "ok" if self.ready else "unavailable"
         body = {"status": state, "model": self.model_id, "services": services}
         return web.json_response(body, status=200 if state == "ok" else 503)
+
+
+def _choice(choices: protocol.Choices, message: pb.GenerateResponse) -> protocol.Accumulator:
+    try:
+        return choices[message.index]
+    except ValueError as exc:
+        raise APIError(500, str(exc)) from None
 
 
 async def serve(config: GatewayConfig, metrics: metrics_mod.Metrics, stop: asyncio.Event) -> int:

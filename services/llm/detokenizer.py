@@ -34,11 +34,14 @@ def fast_decoder(tokenizer):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_fn = fast_decoder(tokenizer)
         self.stop = tuple(stop)
+        self.include_stop = include_stop  # keep the stop string that ended the text (vLLM's option)
+        self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (as vLLM)
+        self.num_tokens = 0
         self._scan = StopMatcher.for_strings(self.stop).start() if self.stop else None
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.ids: list[int] = context
@@ -56,6 +59,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.append(token_id)
+        self.num_tokens += 1
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
@@ -66,8 +70,8 @@ class IncrementalDetokenizer:
                 # Each final character goes through the stop automaton once: the cost of a token is the
                 # text it adds, not the number or length of the stop strings.
                 hit = self._scan.feed(final)
-                if hit is not None:
-                    self.text = self.text[:hit[0]]
+                if hit is not None and self.num_tokens >= self.min_tokens:
+                    self.text = self.text[:hit[1] if self.include_stop else hit[0]]
                     self.stopped = True
                     return self._flush()
         return self._release()

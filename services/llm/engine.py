@@ -26,7 +26,7 @@ from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
-from services.llm.sampling import SamplerRow, SamplingParams
+from services.llm.sampling import SamplerRow, SamplingParams, unpack_logprobs
 from services.llm.scheduler import PENDING, Scheduler, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ class LLMEngine:
 
     # -- called from the event loop ---------------------------------------------------------
     def add(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams,
-            emit: Callable[[Delta], None]) -> None:
+            emit: Callable[[Delta], None], *, grammar=None) -> None:
+        """`grammar`: `params.structured` compiled (a services.llm.structured.Grammar, made off this thread)."""
         n = len(prompt.token_ids)
         if n == 0:
             raise InvalidArgument("prompt is empty")
@@ -93,9 +94,12 @@ class LLMEngine:
                                         f"{self.max_queue})")
             self._pending += 1
         state = RequestState(
-            request_id, params, prompt, SamplerRow.create(params, prompt.token_ids, self.device),
+            request_id, params, prompt,
+            SamplerRow.create(params, prompt.token_ids, self.device, vocab_size=self.vocab_size,
+                              eos_token_ids=self.eos_token_ids, grammar=grammar),
             IncrementalDetokenizer(self.tokenizer, prompt.token_ids, skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop),
+                                   stop=params.stop, include_stop=params.include_stop_str_in_output,
+                                   min_tokens=params.min_tokens),
             emit,
         )
         self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state)))
@@ -257,7 +261,7 @@ class LLMEngine:
         self.pool.publish()
         self.phase_seconds["post"] += time.perf_counter() - t0
 
-    def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob: float, finish: str | None,
+    def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob, finish: str | None,
                   now: float) -> Delta:
         state = seq.state
         params = state.params
@@ -279,7 +283,12 @@ class LLMEngine:
                 finish = self._stop(seq, index)
             elif finish == "length":
                 text += state.detokenizer.finish()
-        delta = Delta([token], text, [logprob] if params.logprobs else [])
+        delta = Delta([token], text)
+        if params.logprobs:
+            chosen, top = unpack_logprobs(logprob, params.top_logprobs)
+            delta.logprobs.append(chosen)
+            if params.top_logprobs:
+                delta.top_logprobs.append(top)
         if first:
             delta.scheduled_at = state.scheduled_at
         if finish is not None:

@@ -78,10 +78,41 @@ def _chat_messages(chat: pb.Chat) -> tuple[list[dict], list[pb.MultimodalItem]]:
                 items.append(part.item)
         # Text-only messages as plain strings: every chat template understands those.
         if all(p["type"] == "text" for p in parts):
-            messages.append({"role": message.role, "content": "".join(p["text"] for p in parts)})
+            entry = {"role": message.role, "content": "".join(p["text"] for p in parts)}
         else:
-            messages.append({"role": message.role, "content": parts})
+            entry = {"role": message.role, "content": parts}
+        if message.tool_calls:
+            entry["tool_calls"] = [_tool_call(call, f"chat.messages[{m}].tool_calls[{c}]")
+                                   for c, call in enumerate(message.tool_calls)]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name:
+            entry["name"] = message.name
+        messages.append(entry)
     return messages, items
+
+
+def _tool_call(call: pb.ToolCall, where: str) -> dict:
+    """A call as chat templates read it (HF's convention): arguments as an object, not its JSON text."""
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        raise InvalidArgument(f"{where}.arguments is not JSON") from None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(f"{where}.arguments must be a JSON object")
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _tools(chat: pb.Chat) -> list[dict] | None:
+    if not chat.tools:
+        return None
+    try:
+        tools = json.loads(chat.tools)
+    except ValueError:
+        raise InvalidArgument("chat.tools is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidArgument("chat.tools must be a JSON list of tool objects")
+    return tools
 
 
 # apply_chat_template's own parameters and the variables it sets itself: a chat_template_kwargs key
@@ -124,7 +155,7 @@ def render_chat(chat: pb.Chat, tokenizer, chat_template: str | None = None) -> t
     if cont and add:
         raise InvalidArgument("chat: continue_final_message and add_generation_prompt cannot both be true")
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tools=_tools(chat), tokenize=False,
                                              add_generation_prompt=add, continue_final_message=cont, **kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:
         # The template's own raise_exception (a role it does not take, ...) or a value it cannot use: the

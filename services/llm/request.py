@@ -23,6 +23,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -64,14 +64,15 @@ class InFlight:
 
     `tokens` stays on the device for the next step (`carry`); `rows` is each sampled sequence's row in it.
     `feeds_next` is False when a row's sampler needs the token on the host before it samples again (the
-    repetition penalty's seen tokens): then the engine waits for this step before it schedules the next."""
+    repetition penalty's seen tokens, a grammar's state: `SamplerRow.feeds_next`): then the engine waits for
+    this step before it schedules the next."""
 
     def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None):
         self.step = step
         self._chunks = chunks
         self.tokens = tokens
         self.rows = {c.seq.seq_id: i for i, c in enumerate(chunks)}
-        self.feeds_next = all(c.seq.state.sampler.seen is None for c in chunks)
+        self.feeds_next = all(c.seq.state.sampler.feeds_next for c in chunks)
         self.pending: dict = {}  # seq_id -> index of its PENDING output (the engine's `advance`)
         self.ending: dict = {}  # seq_id -> "length": known to end with this step's token
         self._tokens, self._logprobs, self._ready = tokens, logprobs, None

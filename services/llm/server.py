@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
 from services.llm.encoders import EncoderFanout, EncoderPool
 from services.llm.config import LLMConfig
-from services.llm.engine import Delta, LLMEngine, thread_safe_emitter
+from services.llm.engine import Delta, LLMEngine, ThreadSafeEmitter
 from services.llm.inputs import check_modalities, prompt_length_before_encoding, splice_items, tokenize_prompt
 from services.llm import flags as llm_flags
 from services.llm.sampling import SamplingParams
@@ -53,6 +54,7 @@ class LLMService(Service):
         self.tokenizer = None
         self.spatial_merge = 2
         self.image_grid: ImageGrid | None = None  # counts raw images' rows before they are encoded
+        self._grammars = None  # services.llm.structured.GrammarCompiler, made on the first structured request
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -153,39 +155,89 @@ class LLMService(Service):
         # The encoders' Encode spans are children of this one (their calls carry its traceparent).
         with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items)}):
             embeddings = await self.fanout.resolve(items, timeout)  # each on self.device
+        grammar = None
+        if params.structured is not None:  # compiled in a worker thread (cached): never on the engine thread
+            grammar = await self._grammar_compiler().compile(params.structured)
         prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.engine.runner.uses_mrope,
                               spatial_merge=self.spatial_merge)
         for span in prompt.spans:
             span.embedding = span.embedding.to(self.device, self.dtype)
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue[Delta] = asyncio.Queue()
+        out: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        # n choices are n sequences of the engine, each its own request (no prefix pages shared yet); with a
+        # seed, choice i draws with seed + i (vLLM's rule), so the whole answer is reproducible.
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         added_ns, added_at = tracing.now_ns(), time.perf_counter()
-        self.engine.add(rid, prompt, params, thread_safe_emitter(loop, out))
-        log.debug("generate %s: %d prompt tokens, max_tokens %s", rid, len(prompt.token_ids), params.max_tokens or "-")
+        open_choices: set[int] = set()
         first_token_ns = None
-        finished = False
         try:
-            while not finished:
-                deltas = [await out.get()]
-                while not out.empty():  # behind the engine: send what has piled up as one message
-                    deltas.append(out.get_nowait())
+            for i, choice_rid in enumerate(rids):
+                choice = params if params.n == 1 else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
+                self.engine.add(choice_rid, prompt, choice, ThreadSafeEmitter(loop, _Tagged(out, i)), grammar=grammar)
+                open_choices.add(i)
+            log.debug("generate %s: %d prompt tokens, max_tokens %s, n %d", rid, len(prompt.token_ids),
+                      params.max_tokens or "-", params.n)
+            while open_choices:
+                pairs = [await out.get()]
+                while not out.empty():  # behind the engine: send what has piled up as one message per choice
+                    pairs.append(out.get_nowait())
                 if first_token_ns is None:
                     first_token_ns = tracing.now_ns()
-                    _queue_and_prefill_spans(added_ns, added_at, deltas[0].scheduled_at, first_token_ns)
-                delta = _merge(deltas)
-                if delta.error is not None:
-                    finished = True
-                    if isinstance(delta.error, ModalmeshError):
-                        raise delta.error
-                    raise RuntimeError(f"generation failed: {type(delta.error).__name__}") from delta.error
-                finished = delta.finish_reason is not None
-                yield _response(delta)
+                    _queue_and_prefill_spans(added_ns, added_at, pairs[0][1].scheduled_at, first_token_ns)
+                by_choice: dict[int, list[Delta]] = {}
+                for i, d in pairs:
+                    by_choice.setdefault(i, []).append(d)
+                for i, deltas in by_choice.items():
+                    delta = _merge(deltas)
+                    if delta.error is not None:
+                        open_choices.discard(i)
+                        if isinstance(delta.error, ModalmeshError):
+                            raise delta.error
+                        raise RuntimeError(f"generation failed: {type(delta.error).__name__}") from delta.error
+                    if delta.finish_reason is not None:
+                        open_choices.discard(i)
+                    yield self._response(delta, i, params.logprobs > 0)
         finally:
             if first_token_ns is not None:
-                tracing.timed_span("llm.decode", first_token_ns, tracing.now_ns(), {"modalmesh.finished": finished})
-            if not finished:  # cancelled: the client went away or the deadline passed
-                self.engine.abort(rid)
+                tracing.timed_span("llm.decode", first_token_ns, tracing.now_ns(),
+                                   {"modalmesh.finished": not open_choices})
+            for i in open_choices:  # cancelled (the client went away, the deadline passed) or a sibling failed
+                self.engine.abort(rids[i])
+
+    def _grammar_compiler(self):
+        if self._grammars is None:
+            from services.llm.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                             tuple(self.engine.eos_token_ids))
+        return self._grammars
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _response(self, delta: Delta, index: int, logprobs: bool) -> pb.GenerateResponse:
+        response = _response(delta)
+        response.index = index
+        if logprobs:  # each token's own text: the gateway has no tokenizer
+            response.tokens.extend(self._token_text(t) for t in delta.token_ids)
+        for top in delta.top_logprobs:
+            response.top_logprobs.append(pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[v for _, v in top],
+                                                        tokens=[self._token_text(t) for t, _ in top]))
+        return response
+
+
+class _Tagged:
+    """A choice's end of the shared queue: the engine puts deltas, the queue gets (choice index, delta)."""
+
+    __slots__ = ("out", "index")
+
+    def __init__(self, out: asyncio.Queue, index: int):
+        self.out, self.index = out, index
+
+    def put_nowait(self, delta: Delta) -> None:
+        self.out.put_nowait((self.index, delta))
 
 
 def _queue_and_prefill_spans(added_ns: int, added_at: float, scheduled_at: float | None, first_token_ns: int) -> None:
@@ -207,6 +259,7 @@ def _merge(deltas: list[Delta]) -> Delta:
         merged.token_ids += d.token_ids
         merged.text += d.text
         merged.logprobs += d.logprobs
+        merged.top_logprobs += d.top_logprobs
         if d.finish_reason is not None or d.error is not None:
             merged.finish_reason, merged.error = d.finish_reason, d.error
             merged.prompt_tokens, merged.completion_tokens = d.prompt_tokens, d.completion_tokens
