@@ -9,6 +9,7 @@ the gateway, all on DIR, and the OpenAI base URL printed (as ``vllm serve DIR``)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import shlex
 import signal
@@ -137,17 +138,25 @@ def start_stack(args: argparse.Namespace) -> list[StackMember]:
     missing = [s for s in MODEL_SERVICES if s in wanted and not getattr(args, f"{s}_model")]  # the gateway has none
     defaults = default_checkpoints(Path(args.models_dir), missing) if missing and not args.no_default_models else {}
     members: list[StackMember] = []
-    try:
+    with _all_or_none(members):
         _start_members(args, order, defaults, members)
         wait_all_serving(members, args.host, args.startup_timeout)
-    except BaseException as exc:  # Ctrl-C included: nothing started is left running
+    return members
+
+
+
+@contextlib.contextmanager
+def _all_or_none(members: list[StackMember]):
+    """Start-up of `members`: on any failure (Ctrl-C included) nothing started is left running, and a
+    member that said why it failed is named in the StackError."""
+    try:
+        yield
+    except BaseException as exc:
         stop_stack(members)
         failed = next((m for m in members if m.process.error_line()), None)
         if failed is not None and isinstance(exc, (RuntimeError, TimeoutError)):
             raise StackError(f"{failed.service}: {failed.process.error_line()}") from None
         raise
-    return members
-
 
 def wait_all_serving(members: list[StackMember], host: str, timeout: float) -> None:
     for member in members:
@@ -296,7 +305,7 @@ def start_serve(args: argparse.Namespace) -> list[StackMember]:
     host = _local(args.host)
     common = ["--host", args.host, "--port", "0", "--metrics-port", "0", "--device", args.device, "--model", str(model)]
     members: list[StackMember] = []
-    try:
+    with _all_or_none(members):
         for name in encoders:
             members.append(StackMember(name, ServiceProcess(name, [*common, *extra["encoder"]],
                                                             echo=args.verbose).start()))
@@ -318,12 +327,6 @@ def start_serve(args: argparse.Namespace) -> list[StackMember]:
         members.append(StackMember(GATEWAY, GatewayProcess([*gateway_flags, *extra["gateway"]],
                                                            echo=args.verbose).start()))
         wait_all_serving(members, args.host, args.startup_timeout)
-    except BaseException as exc:  # Ctrl-C included: nothing started is left running
-        stop_stack(members)
-        failed = next((m for m in members if m.process.error_line()), None)
-        if failed is not None and isinstance(exc, (RuntimeError, TimeoutError)):
-            raise StackError(f"{failed.service}: {failed.process.error_line()}") from None
-        raise
     return members
 
 
