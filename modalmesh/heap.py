@@ -37,24 +37,16 @@ class PauseObserver:
         self._histogram = histogram
         self._children = {g: histogram.labels(generation=str(g)) for g in range(3)}
         self._start = 0.0
-        self.counts = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         else:
-            g, took = info["generation"], time.perf_counter() - self._start
-            self.counts[g] += 1
-            self.seconds[g] += took
-            self._children[g].observe(took)
-
-    def summary(self) -> str:
-        return ", ".join(f"gen{g} {n} in {s * 1e3:.0f} ms" for g, (n, s) in enumerate(zip(self.counts, self.seconds)))
+            self._children[info["generation"]].observe(time.perf_counter() - self._start)
 
 
 def observe_pauses(histogram) -> PauseObserver:
-    """Time every collection of this process from now on (idempotent per histogram's observer)."""
+    """Time every collection of this process from now on, until `stop_observing`."""
     observer = PauseObserver(histogram)
     gc.callbacks.append(observer)
     return observer

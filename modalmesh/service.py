@@ -166,7 +166,7 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         # The flags' value flows down into the registry (buckets are fixed when a histogram is made).
         options = metrics_mod.MetricsOptions.from_flags(args.metrics_buckets)
         metrics = metrics_mod.install(metrics_mod.Metrics(name, options=options))
-        pauses = heap.observe_pauses(metrics.gc_pause_seconds)
+        heap.observe_pauses(metrics.gc_pause_seconds)
         # Before the service is built: --otlp-traces-endpoint without the [tracing] extra is exit 2 here.
         tracing.start(tracing.TracingConfig.from_args(args, service=name))
         serve = setup(args, metrics)
@@ -182,7 +182,6 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         return 2
     finally:
         tracing.stop()  # the spans the batch processor still holds go out before exit
-    log.info("gc pauses since start: %s", pauses.summary())  # after serving only: an error stays the last line
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     return code

@@ -98,12 +98,6 @@ for name in "$@"; do
             step llm-now 240 env PROFILE_ROWS=12 CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256 --profile
             step llm-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py \
                 --batches 1,32,256 --no-hf' ;;
-        serve-ab)  # issue 17: 256 streams on this tree, with --no-gc-freeze, and on .prev
-            step serve-now 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024
-            step serve-nofreeze 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 1024 \
-                --llm-flag=--no-gc-freeze
-            step serve-prev 150 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 python3 \
-                bench/serve.py --start --requests 1024' ;;
         final-17)  # issue 17's closing call on one GPU: the CUDA tests, the table, serving with and without the freeze
             step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -x -p no:cacheprovider tests/test_llm_cuda.py
             step llm-final 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256
