@@ -27,7 +27,7 @@ from services.llm.scheduler import PENDING, Step
 class ScriptedRunner:
     def __init__(self, scripts: dict[str, list[int]], log: list):
         self.config = types.SimpleNamespace(max_model_len=256, max_queue=16, max_num_seqs=8, max_batch_tokens=64,
-                                            max_prefill_chunk=None)
+                                            max_prefill_chunk=None, prefix_caching=False)
         allocator = PageAllocator(64, page_size=4)
         self.pool = types.SimpleNamespace(allocator=allocator, publish=lambda: None)
         self.model_config = types.SimpleNamespace(vocab_size=400)

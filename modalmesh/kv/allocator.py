@@ -10,6 +10,16 @@ unused (internal fragmentation).
 Running out of pages is not an exception: `allocate` / `extend` return False
 and change nothing, so the scheduler can queue the request or preempt one.
 
+Prefix caching (vLLM's automatic prefix caching, SGLang's radix cache): a full
+page whose K/V are computed can be `cache`d under a key (`modalmesh.kv.page_keys`:
+a hash of its tokens chained with its parent's). A new sequence `match`es the
+longest run of cached pages its own keys name and `allocate`s with them: they
+are shared by reference count, never written again (a sequence writes only
+slots past its cached prefix, in pages of its own). A cached page whose last
+owner frees it keeps its key and K/V until a new page is needed and no plain
+free page is left; then the least recently freed goes first. A page held by a
+sequence is never evicted.
+
     alloc = PageAllocator(num_pages=1024, page_size=16)
     if not alloc.allocate("req-1", prompt_len):   # prefill
         ...                                        # wait: no room
@@ -21,7 +31,7 @@ and change nothing, so the scheduler can queue the request or preempt one.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +44,7 @@ from modalmesh.errors import InvalidArgument
 class _Seq:
     pages: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    num_cached_pages: int = 0  # its first pages that are in the cache (shared or registered by it)
 
 
 class PageAllocator:
@@ -42,9 +53,13 @@ class PageAllocator:
             raise ValueError(f"num_pages={num_pages}, page_size={page_size}: need num_pages >= 0, page_size > 0")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(num_pages))  # no owner, no cached content
         self._seqs: dict[Hashable, _Seq] = {}
         self._used_tokens = 0
+        self._refs = [0] * num_pages  # owners of each page
+        self._page_of: dict[bytes, int] = {}  # cache key -> page holding that content
+        self._key_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, oldest first
 
     # ---- accounting --------------------------------------------------------------------
     @property
@@ -53,21 +68,27 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a new sequence could take now: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages whose content is in the cache (held or not)."""
+        return len(self._key_of)
 
     @property
     def used_tokens(self) -> int:
-        """Token slots written or reserved by live sequences (not counting page tails)."""
+        """Token slots written or reserved by live sequences (not counting page tails); a shared page once."""
         return self._used_tokens
 
     @property
     def free_tokens(self) -> int:
         """Tokens a new sequence could get now."""
-        return len(self._free) * self.page_size
+        return self.num_free_pages * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -80,24 +101,38 @@ class PageAllocator:
 
     # ---- allocate / extend / free ------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= len(self._free)
+        return self.pages_for(num_tokens) <= self.num_free_pages
 
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """Reserve slots for a new sequence's first `num_tokens` tokens; False (and no change) if they do not fit."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Reserve slots for a new sequence's first `num_tokens` tokens; False (and no change) if they do not fit.
+
+        `cached`: pages `match` found for its first tokens, shared with whoever holds them (full pages,
+        within `num_tokens`)."""
         if seq_id in self._seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already holds KV pages")
         if num_tokens < 0:
             raise InvalidArgument(f"num_tokens={num_tokens} < 0")
-        needed = self.pages_for(num_tokens)
-        if needed > len(self._free):
+        if len(cached) * self.page_size > num_tokens:
+            raise InvalidArgument(f"{len(cached)} cached pages hold more than the {num_tokens} tokens asked for")
+        needed = self.pages_for(num_tokens) - len(cached)
+        idle_hits = sum(1 for page in cached if self._refs[page] == 0)  # counted free, but taken as hits
+        if needed > self.num_free_pages - idle_hits:
             return False
-        self._seqs[seq_id] = _Seq([self._free.popleft() for _ in range(needed)], num_tokens)
+        for page in cached:
+            if page not in self._key_of:
+                raise InvalidArgument(f"page {page} is not in the prefix cache")
+            if self._refs[page]:
+                self._used_tokens -= self.page_size  # already counted for its other holders
+            else:
+                del self._evictable[page]
+            self._refs[page] += 1
+        self._seqs[seq_id] = _Seq(list(cached) + [self._take() for _ in range(needed)], num_tokens, len(cached))
         self._used_tokens += num_tokens
         return True
 
     def can_extend(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
         seq = self._get(seq_id)
-        return self.pages_for(seq.num_tokens + num_new_tokens) - len(seq.pages) <= len(self._free)
+        return self.pages_for(seq.num_tokens + num_new_tokens) - len(seq.pages) <= self.num_free_pages
 
     def extend(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
         """Grow a sequence by `num_new_tokens` slots; False (and no change) if the new pages do not fit."""
@@ -105,12 +140,56 @@ class PageAllocator:
             raise InvalidArgument(f"num_new_tokens={num_new_tokens} < 0")
         seq = self._get(seq_id)
         needed = self.pages_for(seq.num_tokens + num_new_tokens) - len(seq.pages)
-        if needed > len(self._free):
-            return False
-        seq.pages.extend(self._free.popleft() for _ in range(needed))
+        if needed > 0:
+            if needed > len(self._free) + len(self._evictable):
+                return False
+            seq.pages.extend(self._take() for _ in range(needed))
         seq.num_tokens += num_new_tokens
         self._used_tokens += num_new_tokens
         return True
+
+    def _take(self) -> int:
+        """One page for a sequence's new tokens: a free one, else the cached page freed longest ago."""
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+        self._refs[page] = 1
+        return page
+
+    # ---- the prefix cache -----------------------------------------------------------------
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of `keys` (one key per full page, in order)."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def cache(self, seq_id: Hashable, keys: Sequence[bytes]) -> None:
+        """Enter the sequence's first len(keys) pages in the cache under `keys`; each must be full and its
+        K/V computed (or being computed by a step that runs before any that reads them). Pages entered
+        already stay as they are; one whose content another page holds already stays out (the cache keeps
+        one copy)."""
+        seq = self._get(seq_id)
+        if len(keys) * self.page_size > seq.num_tokens:
+            raise InvalidArgument(f"{seq_id!r}: {len(keys)} keys for {seq.num_tokens} tokens (full pages only)")
+        for i in range(seq.num_cached_pages, len(keys)):
+            page, key = seq.pages[i], keys[i]
+            if key not in self._page_of and page not in self._key_of:
+                self._page_of[key] = page
+                self._key_of[page] = key
+        seq.num_cached_pages = max(seq.num_cached_pages, len(keys))
+
+    def forget(self, seq_id: Hashable) -> None:
+        """Take the sequence's pages out of the cache (their K/V may be wrong: its step failed). Pages other
+        sequences share stay: they were computed by an earlier step."""
+        for page in self._get(seq_id).pages:
+            if self._refs[page] == 1 and page in self._key_of:
+                del self._page_of[self._key_of.pop(page)]
 
     def reserve_page(self) -> int:
         """Take one free page out of circulation for good (e.g. a scratch page padding rows write to).
@@ -120,15 +199,25 @@ class PageAllocator:
         if not self._free:
             raise InvalidArgument("no free page to reserve")
         self.num_pages -= 1
-        return self._free.pop()
+        page = self._free.pop()
+        self._refs[page] = -1  # out of circulation: no sequence, no cache
+        return page
 
     def free(self, seq_id: Hashable) -> int:
-        """Return a sequence's pages to the free list; returns how many pages came back."""
+        """Give back a sequence's pages; returns how many it held. A page others share stays theirs; a
+        cached one nobody holds any more stays cached (evicted last for the sequence's first pages)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise InvalidArgument(f"sequence {seq_id!r} holds no KV pages")
-        self._free.extend(seq.pages)
         self._used_tokens -= seq.num_tokens
+        for page in reversed(seq.pages):  # the tail first: a prefix outlives the turns that extend it
+            self._refs[page] -= 1
+            if self._refs[page]:
+                self._used_tokens += self.page_size  # still held (a full, shared page)
+            elif page in self._key_of:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
         return len(seq.pages)
 
     # ---- views for the attention kernels -----------------------------------------------
@@ -166,15 +255,33 @@ class PageAllocator:
         return [r + [pad] * (width - len(r)) for r in rows]
 
     def check(self) -> None:
-        """Assert the invariants: every page is free or owned by exactly one sequence, counts add up."""
-        owned = [p for s in self._seqs.values() for p in s.pages]
-        every = sorted(owned + list(self._free))
-        if every != list(range(self.num_pages)):
-            raise AssertionError("KV pages leaked or double-owned")
+        """Assert the invariants: every page is free, cached and idle, or held (its count = its holders);
+        only full pages are shared; counts add up."""
+        holders: dict[int, int] = {}
+        for s in self._seqs.values():
+            for p in s.pages:
+                holders[p] = holders.get(p, 0) + 1
+        circulating = [p for p in range(len(self._refs)) if self._refs[p] >= 0]
+        if len(circulating) != self.num_pages:
+            raise AssertionError("reserved page count drifted")
+        idle = list(self._free) + list(self._evictable)
+        if sorted(idle + list(holders)) != circulating or len(set(idle)) != len(idle):
+            raise AssertionError("KV pages leaked or both free and held")
+        for p in circulating:
+            if self._refs[p] != holders.get(p, 0):
+                raise AssertionError(f"page {p}: count {self._refs[p]} but {holders.get(p, 0)} holders")
+        if set(self._evictable) - set(self._key_of) or set(self._free) & set(self._key_of):
+            raise AssertionError("an idle page's cache entry is wrong")
+        if {self._page_of[k]: k for k in self._page_of} != self._key_of:
+            raise AssertionError("the cache's two maps disagree")
         for seq_id, s in self._seqs.items():
             if len(s.pages) != self.pages_for(s.num_tokens):
                 raise AssertionError(f"{seq_id!r}: {len(s.pages)} pages for {s.num_tokens} tokens")
-        if self._used_tokens != sum(s.num_tokens for s in self._seqs.values()):
+            for i, p in enumerate(s.pages):
+                if holders[p] > 1 and (i + 1) * self.page_size > s.num_tokens:
+                    raise AssertionError(f"{seq_id!r}: shares its partial page {p}")
+        shared_tail = sum((n - 1) * self.page_size for n in holders.values() if n > 1)
+        if self._used_tokens != sum(s.num_tokens for s in self._seqs.values()) - shared_tail:
             raise AssertionError("used token count drifted")
 
 

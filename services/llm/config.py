@@ -68,6 +68,7 @@ class LLMConfig:
     log_level: str = "INFO"
     log_format: str = "text"  # --log-format, for the rank processes too (modalmesh.logs)
     gc_freeze: bool = True  # --no-gc-freeze turns it off; the ranks >= 1 freeze their heaps too (modalmesh.heap)
+    prefix_caching: bool = True  # --no-prefix-caching turns it off (services/llm/scheduler.py)
 
     def __post_init__(self):
         if self.device_type not in ("cpu", "cuda"):
@@ -125,7 +126,7 @@ class LLMConfig:
             limits=RequestLimits(max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                                  max_stop_token_ids=args.max_stop_token_ids, max_items=args.max_items_per_request),
             log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
-            gc_freeze=getattr(args, "gc_freeze", True),
+            gc_freeze=getattr(args, "gc_freeze", True), prefix_caching=not getattr(args, "no_prefix_caching", False),
             chat_template=read_chat_template(getattr(args, "chat_template", None)),
         )
 

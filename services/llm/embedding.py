@@ -21,11 +21,18 @@ FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 
 @dataclass(frozen=True)
 class Embedding:
-    tensor: torch.Tensor  # (rows, hidden), on the LLM's device (a CPU one may alias a client's message)
+    # (rows, hidden), on the LLM's device (a CPU one may alias a client's message). None: the item's rows are
+    # in the prefix cache, so it was not encoded; `num_placeholder_tokens` then says how many rows it has.
+    tensor: torch.Tensor | None
     modality: int
     grid_thw: tuple[int, ...] = ()
     valid_length: int = 0
     num_placeholder_tokens: int = 0  # 0: not stated; otherwise it must equal the rows
+    digest: bytes = b""  # names the item's content for the prefix cache (services/llm/item_digest.py)
+
+    @property
+    def rows(self) -> int:
+        return self.num_placeholder_tokens if self.tensor is None else int(self.tensor.shape[0])
 
     @classmethod
     def of(cls, message: pb.Embedding, tensor: torch.Tensor, modality: int) -> "Embedding":
@@ -35,6 +42,8 @@ class Embedding:
 
     def check(self, index: int, hidden_size: int) -> None:
         """What the splicer needs: float rows of the model's width, finite, as many as stated."""
+        if self.tensor is None:  # cached rows: checked when they were encoded
+            return
         tensor = self.tensor  # a float one: both ways in (`from_client`, the encoder pools) refuse others
         if tensor.dim() != 2 or tensor.shape[1] != hidden_size:
             raise InvalidArgument(f"items[{index}].embedding: shape {list(tensor.shape)}; this model needs "

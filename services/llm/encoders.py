@@ -158,13 +158,15 @@ class EncoderFanout:
         self.metrics = metrics
         self.device = device  # where clients' embeddings go (the encoders' go there through their pools)
 
-    async def resolve(self, items: list[pb.MultimodalItem], timeout: float | None) -> list[Embedding]:
+    async def resolve(self, items: list[pb.MultimodalItem], timeout: float | None,
+                      skip: set[int] = frozenset()) -> list[Embedding | None]:
         """Every item's `Embedding`, in order: a client's decoded here (before any Encode, so a malformed
-        one is refused first), raw input through its encoder pool."""
+        one is refused first), raw input through its encoder pool. Items in `skip` (their rows are in the
+        prefix cache) are neither decoded nor encoded: None."""
         out: list[Embedding | None] = [
-            from_client(item, i, self.device) if item.WhichOneof("source") != "input" else None
+            from_client(item, i, self.device) if item.WhichOneof("source") != "input" and i not in skip else None
             for i, item in enumerate(items)]
-        todo = [(i, item) for i, item in enumerate(items) if out[i] is None]
+        todo = [(i, item) for i, item in enumerate(items) if out[i] is None and i not in skip]
         if not todo:
             return out
         for i, item in todo:

@@ -28,6 +28,7 @@ from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
 from services.llm.sampling import SamplerRow, SamplingParams, unpack_logprobs
 from services.llm.scheduler import PENDING, Scheduler, Sequence, SeqStatus
+from modalmesh.kv.page_keys import ItemRows
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,11 @@ class LLMEngine:
         self.metrics = metrics
         self.model_name = model_name  # the request series' model_name label
         self.max_queue = config.max_queue
+        self.prefix_caching = config.prefix_caching
         self.scheduler: Scheduler = Scheduler(self.pool.allocator, max_num_seqs=config.max_num_seqs,
                                               max_batch_tokens=config.max_batch_tokens,
-                                              max_prefill_chunk=config.max_prefill_chunk)
+                                              max_prefill_chunk=config.max_prefill_chunk,
+                                              prefix_caching=config.prefix_caching)
         self._inbox: queue.Queue = queue.Queue()
         self._pending = 0  # added but not yet taken by the worker
         self._lock = threading.Lock()
@@ -75,8 +78,9 @@ class LLMEngine:
 
     # -- called from the event loop ---------------------------------------------------------
     def add(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams,
-            emit: Callable[[Delta], None], *, grammar=None) -> None:
-        """`grammar`: `params.structured` compiled (a services.llm.structured.Grammar, made off this thread)."""
+            emit: Callable[[Delta], None], *, grammar=None, hold: str | None = None) -> None:
+        """`grammar`: `params.structured` compiled (a services.llm.structured.Grammar, made off this thread).
+        `hold`: one of the ids `hold_prefix` pinned pages under, now this request's (released when it ends)."""
         n = len(prompt.token_ids)
         if n == 0:
             raise InvalidArgument("prompt is empty")
@@ -102,7 +106,30 @@ class LLMEngine:
                                    min_tokens=params.min_tokens),
             emit,
         )
-        self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state)))
+        items = tuple(ItemRows(span.start, span.end, span.digest) for span in prompt.spans)
+        # An item without a digest could not be told from another behind the same placeholders: no cache.
+        cacheable = self.prefix_caching and all(item.digest for item in items)
+        self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state, items=items,
+                                         cacheable=cacheable, holds=(hold,) if hold is not None else ())))
+
+    async def hold_prefix(self, hold_ids: list[str], keys: list[bytes]) -> int:
+        """Pin the cached pages of the longest prefix of `keys` (page keys, modalmesh.kv.page_keys) once per id,
+        so they stay cached until each hold is handed to a request (`add(hold=...)`) or `release`d; returns how
+        many tokens they hold. The LLM service skips encoding the items those tokens cover."""
+        if self._thread is None:  # not started, or stopped: nothing would answer
+            return 0
+        loop = asyncio.get_running_loop()
+        held: asyncio.Future[int] = loop.create_future()
+
+        def resolve(tokens: int) -> None:
+            loop.call_soon_threadsafe(lambda: held.done() or held.set_result(tokens))
+
+        self._inbox.put(("hold", (hold_ids, keys, resolve)))
+        return await held
+
+    def release(self, hold_ids: list[str]) -> None:
+        """Give back holds no request took (it failed, or was cancelled, before it was added)."""
+        self._inbox.put(("release", hold_ids))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -139,6 +166,12 @@ class LLMEngine:
                             self._pending -= 1
                         self._live[value.seq_id] = value
                         self.scheduler.add(value)
+                    elif kind == "hold":
+                        self._hold(*value)
+                    elif kind == "release":
+                        for hold in value:
+                            if hold in self.pool.allocator:
+                                self.pool.allocator.free(hold)
                     elif kind == "abort":
                         seq = self._live.pop(value, None)
                         if seq is not None:
@@ -159,11 +192,22 @@ class LLMEngine:
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
             self.metrics.num_requests_running.labels(model_name=self.model_name).set(len(self.scheduler.running))
 
+    def _hold(self, hold_ids: list[str], keys: list[bytes], resolve: Callable[[int], None]) -> None:
+        alloc = self.pool.allocator
+        pages = alloc.match(keys) if self.prefix_caching else []
+        for hold in hold_ids:
+            alloc.allocate(hold, len(pages) * alloc.page_size, cached=pages)  # no new page: cannot fail
+        resolve(len(pages) * alloc.page_size)
+
     def _launch(self, previous: InFlight | None) -> InFlight | None:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.phase_seconds["schedule"] += t1 - t0
+        if step.cache_queries:
+            self.metrics.prefix_cache_queries_total.labels(model_name=self.model_name).inc(step.cache_queries)
+            if step.cache_hits:
+                self.metrics.prefix_cache_hits_total.labels(model_name=self.model_name).inc(step.cache_hits)
         if not step.chunks:
             if previous is not None:  # pages free up as the step in flight completes
                 return None
@@ -295,6 +339,7 @@ class LLMEngine:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
             delta.completion_tokens = len(seq.output_ids)
+            delta.cached_tokens = seq.num_cached
             self._finished(state, finish, len(seq.prompt_ids), seq.max_tokens, len(seq.output_ids), now)
         return delta
 
@@ -324,7 +369,8 @@ class LLMEngine:
             if seq.status is SeqStatus.FINISHED and (seq.seq_id not in unannounced or seq.state.finished):
                 continue
             self._live.pop(seq.seq_id, None)
-            self.scheduler.finish(seq, "abort")
+            # Its pages' K/V may not have been written (the step failed): they leave the prefix cache.
+            self.scheduler.finish(seq, "abort", computed=reason != "error")
             self._finished(seq.state, reason, len(seq.prompt_ids), seq.max_tokens, _generated(seq))
             seq.state.emit(Delta(finish_reason="abort", error=exc))
         self.pool.publish()
@@ -339,6 +385,8 @@ class LLMEngine:
             if kind == "add":
                 self._finished(value.state, "abort", len(value.prompt_ids), value.max_tokens, 0)
                 value.state.emit(Delta(finish_reason="abort", error=Unavailable(why)))
+            elif kind == "hold":
+                value[2](0)  # nothing pinned: the request fails when it is added
 
     @property
     def num_running(self) -> int:

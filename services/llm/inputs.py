@@ -27,13 +27,19 @@ from services.llm.mrope import mrope_positions
 @dataclass
 class MultimodalSpan:
     start: int  # index of the first placeholder token in the prompt
-    embedding: torch.Tensor  # (rows, hidden)
+    embedding: torch.Tensor | None  # (rows, hidden); None: the rows' K/V are in the prefix cache (not encoded)
     grid_thw: tuple[int, ...] = ()
     modality: int = pb.IMAGE
+    rows: int = 0
+    digest: bytes = b""  # the item's content digest: its rows' prefix-cache keys take it
+
+    def __post_init__(self):
+        if self.embedding is not None:
+            self.rows = int(self.embedding.shape[0])
 
     @property
     def end(self) -> int:
-        return self.start + self.embedding.shape[0]
+        return self.start + self.rows
 
 
 @dataclass
@@ -276,21 +282,20 @@ def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
     pairs = []
     for i, item in enumerate(embeddings):
         item.check(i, cfg.hidden_size)
-        emb = item.tensor
         _, start, length = next(next_run[item.modality])
-        rows = emb.shape[0]
+        rows = item.rows
         if length not in (1, rows):
             raise InvalidArgument(f"items[{i}]: the prompt has {length} placeholder tokens for it but its embedding "
                                   f"has {rows} rows")
-        pairs.append((start, length, emb, item.grid_thw, item.modality))
+        pairs.append((start, length, item))
     pairs.sort(key=lambda p: p[0])
     out: list[int] = []
     spans: list[MultimodalSpan] = []
     cursor = 0
-    for start, length, emb, grid, mod in pairs:
+    for start, length, item in pairs:
         out += ids[cursor:start]
-        spans.append(MultimodalSpan(len(out), emb, grid, mod))
-        out += [placeholders[mod]] * emb.shape[0]
+        spans.append(MultimodalSpan(len(out), item.tensor, item.grid_thw, item.modality, item.rows, item.digest))
+        out += [placeholders[item.modality]] * item.rows
         cursor = start + length
     out += ids[cursor:]
     prepared = PreparedPrompt(out, spans)
@@ -300,10 +305,35 @@ def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
             if span.modality not in (pb.IMAGE, pb.VIDEO):
                 continue
             grid = span.grid_thw
-            if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.embedding.shape[0]:
+            if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.rows:
                 kind = "video" if span.modality == pb.VIDEO else "image"
                 raise InvalidArgument(f"{kind} at token {span.start}: grid_thw {list(grid)} does not describe its "
-                                      f"{span.embedding.shape[0]} rows (merge {spatial_merge})")
+                                      f"{span.rows} rows (merge {spatial_merge})")
             image_spans.append((span.start, grid))
         prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), image_spans, spatial_merge)
     return prepared
+
+
+def expand_known_items(ids: list[int], items: list[pb.MultimodalItem], rows: list[int | None],
+                       cfg: ModelConfig) -> tuple[list[int], list[tuple[int, int, int]], bool]:
+    """The prompt as `splice_items` will expand it, as far as the items' rows are known before encoding:
+    `rows[i]` is item i's row count, None where unknown. Returns the expanded tokens up to the first item of
+    unknown rows (all of them if none), each expanded item's (index, start, end) there, and whether the whole
+    prompt is known. The prefix cache is looked up with these before anything is encoded."""
+    placeholders = placeholder_ids(cfg)
+    by_modality = _placeholder_runs(ids, items, placeholders)
+    next_run = {m: iter(by_modality[m]) for m in placeholders}
+    runs = sorted((next(next_run[item.modality])[1:], i) for i, item in enumerate(items))
+    out: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    cursor = 0
+    for (start, length), i in runs:
+        out += ids[cursor:start]
+        n = rows[i] if length == 1 else length  # a run already expanded says its rows itself
+        if n is None or (length != 1 and rows[i] is not None and rows[i] != length):
+            return out, spans, False
+        spans.append((i, len(out), len(out) + n))
+        out += [placeholders[items[i].modality]] * n
+        cursor = start + length
+    out += ids[cursor:]
+    return out, spans, True

@@ -27,6 +27,7 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, found in the prefix cache (on the last delta)
     error: BaseException | None = None
     # On a request's first token only: when (time.perf_counter) it was first in a step, so the service
     # can split its queue time from its prefill in a trace (the engine thread does not emit then).

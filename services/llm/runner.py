@@ -267,6 +267,9 @@ class ModelRunner:
             for span in prompt.spans:
                 lo, hi = max(start, span.start), min(end, span.end)
                 if lo < hi:
+                    if span.embedding is None:  # the service skipped its encoding only where the cache holds it
+                        raise RuntimeError(f"{seq.seq_id}: tokens [{lo}, {hi}) of an item not encoded (its rows "
+                                           "were to come from the prefix cache)")
                     splices.append((base + lo - start, span.embedding[lo - span.start:hi - span.start]))
             query_lens.append(chunk.length)
             context_lens.append(end)

@@ -13,6 +13,15 @@ The engine schedules step N+1 before it knows step N's sampled tokens: `advance`
 records what step N computes and appends a `PENDING` token to each sampled
 sequence (the device feeds the real one into step N+1); `fill` writes the token
 in once it is read back.
+
+Prefix caching (`prefix_caching=True`): a newcomer starts from the longest run
+of cached pages its prompt's page keys match (`modalmesh.kv.page_keys`), as if
+that much of a chunked prefill had run; its last token is always computed, for
+its logits. `advance` enters each page in the cache once its K/V are computed
+and its tokens known (an output token still `PENDING` waits a step). A newcomer
+whose next uncached page another sequence computes in this very step waits one
+step and takes it from the cache: siblings of an `n > 1` request, or a burst
+sharing a system prompt, prefill it once.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from enum import Enum
 from typing import Generic, TypeVar
 
 from modalmesh.kv.allocator import PageAllocator
+from modalmesh.kv.page_keys import ItemRows, extend_keys
 
 
 class SeqStatus(Enum):
@@ -50,6 +60,16 @@ class Sequence(Generic[StateT]):
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
     num_preemptions: int = 0
+    # Prefix caching. `items`: the prompt's multimodal rows (their keys take the item's digest); `cacheable`:
+    # False keeps the sequence out of the cache both ways (prompt logprobs need every row computed; an item
+    # without a digest could not be told from another). `holds`: pseudo-sequences of the allocator that keep
+    # cached pages this prompt relies on (items whose encoding was skipped), freed when it finishes.
+    items: tuple[ItemRows, ...] = ()
+    cacheable: bool = True
+    holds: tuple[Hashable, ...] = ()
+    page_keys: list[bytes] = field(default_factory=list)  # keys of its first full pages, as far as known
+    cached_pages: int = 0  # its first pages that are in the cache (matched, or entered by `advance`)
+    num_cached: int = 0  # prompt tokens found in the cache when it was first scheduled (usage.cached_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +79,9 @@ class Sequence(Generic[StateT]):
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,8 @@ class Chunk:
 class Step:
     chunks: list[Chunk]
     preempted: list[Sequence]
+    cache_queries: int = 0  # prompt tokens of the sequences scheduled for the first time
+    cache_hits: int = 0  # of those, found in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -92,10 +116,12 @@ class Step:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, *, max_num_seqs: int = 256, max_batch_tokens: int = 8192,
-                 max_prefill_chunk: int | None = None):
+                 max_prefill_chunk: int | None = None, prefix_caching: bool = False):
         if max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("max_num_seqs and max_batch_tokens must be positive")
         self.allocator = allocator
+        self.prefix_caching = prefix_caching
+        self.page_size = allocator.page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.max_prefill_chunk = max_prefill_chunk or max_batch_tokens
@@ -134,18 +160,49 @@ class Scheduler:
             chunks.append(Chunk.of(seq, n))
             budget -= n
             i += 1
+        step = Step(chunks, preempted)
+        # Keys of the pages this step's prefill chunks compute: a newcomer that needs one next waits a step.
+        computing = {k for c in chunks if c.length > 1 for k in self._chunk_keys(c)} if self.prefix_caching else ()
+        deferred: list[Sequence] = []
         # Newcomers only when nobody had to make room this step (no thrashing).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget, self.max_prefill_chunk)
-            if not self._reserve(seq, seq.num_computed + n):
+            hits = self._match(seq) if self.prefix_caching and seq.cacheable else []
+            if len(seq.page_keys) > len(hits) and seq.page_keys[len(hits)] in computing:
+                deferred.append(self.waiting.popleft())
+                continue
+            start = len(hits) * self.page_size
+            n = min(seq.num_tokens - start, budget, self.max_prefill_chunk)
+            if not self.allocator.allocate(seq.seq_id, start + n, cached=hits):
                 break
             self.waiting.popleft()
+            seq.num_computed = start
+            seq.cached_pages = len(hits)
+            if seq.num_preemptions == 0:  # its first time: what it asked of the cache and got
+                seq.num_cached = start
+                step.cache_queries += len(seq.prompt_ids)
+                step.cache_hits += start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk.of(seq, n))
+            chunk = Chunk.of(seq, n)
+            chunks.append(chunk)
             budget -= n
-        return Step(chunks, preempted)
+            if self.prefix_caching and n > 1:
+                computing.update(self._chunk_keys(chunk))
+        self.waiting.extendleft(reversed(deferred))
+        return step
+
+    def _match(self, seq: Sequence) -> list[int]:
+        """The cached pages `seq` can start from: full pages before its last token (always computed: its
+        logits are sampled), as far as its tokens are known."""
+        upto = seq.num_tokens - 1
+        keys = extend_keys(seq.page_keys, seq.token_ids, self.page_size, upto, seq.items, unknown=PENDING)
+        return self.allocator.match(keys[:upto // self.page_size])
+
+    def _chunk_keys(self, chunk: Chunk) -> list[bytes]:
+        """Keys (known so far) of the full pages `chunk` completes."""
+        p = self.page_size
+        return chunk.seq.page_keys[chunk.start // p:(chunk.start + chunk.length) // p] if chunk.seq.cacheable else []
 
     def _reserve(self, seq: Sequence, total_tokens: int) -> bool:
         """Make the allocator hold at least `total_tokens` slots for seq."""
@@ -155,8 +212,9 @@ class Scheduler:
         return more <= 0 or self.allocator.extend(seq.seq_id, more)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.allocator.free(seq.seq_id)
+        self.allocator.free(seq.seq_id)  # its computed pages stay cached: it starts from them again
         seq.num_computed = 0
+        seq.cached_pages = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
@@ -171,10 +229,22 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished or aborted since it was scheduled
             seq.num_computed = chunk.start + chunk.length
+            if self.prefix_caching and seq.num_computed // self.page_size > seq.cached_pages and seq.cacheable:
+                self._cache_computed(seq)
             if chunk.sample:
                 pending[seq.seq_id] = len(seq.output_ids)
                 seq.output_ids.append(PENDING)
         return pending
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        """Enter the sequence's computed full pages whose tokens are known in the prefix cache."""
+        full = seq.num_computed // self.page_size
+        keys = extend_keys(seq.page_keys, seq.token_ids, self.page_size, seq.num_computed, seq.items,
+                           unknown=PENDING)
+        known = min(len(keys), full)
+        if known > seq.cached_pages:
+            self.allocator.cache(seq.seq_id, keys[:known])
+            seq.cached_pages = known
 
     @staticmethod
     def fill(seq: Sequence, index: int, token: int) -> None:
@@ -183,8 +253,9 @@ class Scheduler:
             raise RuntimeError(f"{seq.seq_id}: output {index} is {seq.output_ids[index]}, not pending")
         seq.output_ids[index] = token
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence (stop, length, abort): its pages go back to the pool now."""
+    def finish(self, seq: Sequence, reason: str, *, computed: bool = True) -> None:
+        """End a sequence (stop, length, abort): its pages go back to the pool now. `computed=False`: a step
+        of it failed, so the pages only it holds leave the prefix cache too."""
         if seq.status is SeqStatus.FINISHED:
             return
         if seq.status is SeqStatus.RUNNING:
@@ -195,6 +266,11 @@ class Scheduler:
             except ValueError:
                 pass
         if seq.seq_id in self.allocator:
+            if not computed:
+                self.allocator.forget(seq.seq_id)
             self.allocator.free(seq.seq_id)
+        for hold in seq.holds:
+            if hold in self.allocator:
+                self.allocator.free(hold)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

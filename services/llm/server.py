@@ -23,7 +23,9 @@ from modalmesh.image_grid import ImageGrid
 from modalmesh.service import Service
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
+from services.llm.embedding import Embedding
 from services.llm.encoders import EncoderFanout, EncoderPool
+from services.llm.prefix_items import ItemShape, ItemShapes, item_digests, plan_prefix
 from services.llm.config import LLMConfig
 from services.llm.engine import Delta, LLMEngine, ThreadSafeEmitter
 from services.llm.inputs import check_modalities, prompt_length_before_encoding, splice_items, tokenize_prompt
@@ -55,6 +57,7 @@ class LLMService(Service):
         self.spatial_merge = 2
         self.image_grid: ImageGrid | None = None  # counts raw images' rows before they are encoded
         self._grammars = None  # services.llm.structured.GrammarCompiler, made on the first structured request
+        self.item_shapes = ItemShapes()  # what earlier encodes returned, by item digest (prefix cache lookups)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -152,30 +155,47 @@ class LLMService(Service):
                 raise InvalidArgument(f"the prompt takes at least {need} tokens with its items' rows (counted "
                                       f"before encoding){f' + max_tokens {params.max_tokens}' if params.max_tokens else ''}"
                                       f"; this model's limit is {limit} tokens (prompt + output)")
-        # The encoders' Encode spans are children of this one (their calls carry its traceparent).
-        with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items)}):
-            embeddings = await self.fanout.resolve(items, timeout)  # each on self.device
-        grammar = None
-        if params.structured is not None:  # compiled in a worker thread (cached): never on the engine thread
-            grammar = await self._grammar_compiler().compile(params.structured)
-        prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.engine.runner.uses_mrope,
-                              spatial_merge=self.spatial_merge)
-        for span in prompt.spans:
-            span.embedding = span.embedding.to(self.device, self.dtype)
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        # n choices are n sequences of the engine, each its own request (no prefix pages shared yet); with a
-        # seed, choice i draws with seed + i (vLLM's rule), so the whole answer is reproducible.
+        # n choices are n sequences of the engine, each its own request; the siblings take the prompt's pages
+        # from the prefix cache. With a seed, choice i draws with seed + i (vLLM's rule), so the whole answer
+        # is reproducible.
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-        added_ns, added_at = tracing.now_ns(), time.perf_counter()
+        holds: list[str] = []  # pinned prefix pages, one hold per choice, until each choice has taken its own
         open_choices: set[int] = set()
         first_token_ns = None
         try:
+            digests = await item_digests(items) if items and self.config.prefix_caching else []
+            skip: set[int] = set()
+            if digests:
+                plan = plan_prefix(ids, items, digests, self.item_shapes, cfg, self.config.page_size)
+                if plan.keys and plan.item_ends:
+                    holds = [f"{choice_rid}/prefix-hold" for choice_rid in rids]
+                    held = await self.engine.hold_prefix(holds, plan.keys)
+                    skip = {i for i, end in plan.item_ends if end <= held}
+            # The encoders' Encode spans are children of this one (their calls carry its traceparent).
+            with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items),
+                                                               "modalmesh.items_cached": len(skip)}):
+                embeddings = await self.fanout.resolve(items, timeout, skip=skip)  # each on self.device
+            if digests:
+                embeddings = self._with_digests(embeddings, items, digests)
+            grammar = None
+            if params.structured is not None:  # compiled in a worker thread (cached): never on the engine thread
+                grammar = await self._grammar_compiler().compile(params.structured)
+            prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.engine.runner.uses_mrope,
+                                  spatial_merge=self.spatial_merge)
+            for span in prompt.spans:
+                if span.embedding is not None:
+                    span.embedding = span.embedding.to(self.device, self.dtype)
+            loop = asyncio.get_running_loop()
+            out: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+            added_ns, added_at = tracing.now_ns(), time.perf_counter()
             for i, choice_rid in enumerate(rids):
                 choice = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else (params.seed + i) % (1 << 64))
-                self.engine.add(choice_rid, prompt, choice, ThreadSafeEmitter(loop, _Tagged(out, i)), grammar=grammar)
+                self.engine.add(choice_rid, prompt, choice, ThreadSafeEmitter(loop, _Tagged(out, i)), grammar=grammar,
+                                hold=holds[i] if holds else None)
+                if holds:
+                    holds[i] = None  # the request's now: released when it ends
                 open_choices.add(i)
             log.debug("generate %s: %d prompt tokens, max_tokens %s, n %d", rid, len(prompt.token_ids),
                       params.max_tokens or "-", params.n)
@@ -205,6 +225,23 @@ class LLMService(Service):
                                    {"modalmesh.finished": not open_choices})
             for i in open_choices:  # cancelled (the client went away, the deadline passed) or a sibling failed
                 self.engine.abort(rids[i])
+            unclaimed = [hold for hold in holds if hold is not None]
+            if unclaimed:  # the request failed or went away before its choices were added
+                self.engine.release(unclaimed)
+
+    def _with_digests(self, embeddings: list[Embedding | None], items: list[pb.MultimodalItem],
+                      digests: list[bytes]) -> list[Embedding]:
+        """Each item's embedding named by its digest; the ones not encoded (None: their rows are cached) as
+        their shape from an earlier encode. Encoded ones teach `item_shapes` their shape."""
+        out = []
+        for item, emb, digest in zip(items, embeddings, digests):
+            if emb is None:
+                shape = self.item_shapes.get(digest)
+                emb = Embedding(None, item.modality, shape.grid_thw, num_placeholder_tokens=shape.rows)
+            else:
+                self.item_shapes.put(digest, ItemShape(emb.rows, emb.grid_thw))
+            out.append(dataclasses.replace(emb, digest=digest))
+        return out
 
     def _grammar_compiler(self):
         if self._grammars is None:
@@ -263,6 +300,7 @@ def _merge(deltas: list[Delta]) -> Delta:
         if d.finish_reason is not None or d.error is not None:
             merged.finish_reason, merged.error = d.finish_reason, d.error
             merged.prompt_tokens, merged.completion_tokens = d.prompt_tokens, d.completion_tokens
+            merged.cached_tokens = d.cached_tokens
             break  # nothing follows the last delta of a request
     return merged
 
@@ -273,6 +311,7 @@ def _response(delta: Delta) -> pb.GenerateResponse:
         response.finish_reason = _FINISH[delta.finish_reason]
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
+        response.usage.cached_tokens = delta.cached_tokens
     return response
 
 
