@@ -173,8 +173,9 @@ def main() -> int:
     procs = [vision]
     try:
         vision.wait_listening(300)
+        # No prefix cache: TTFT asks about the same image again and again, which the cache would not encode.
         llm_flags = [*common, "--vision-encoder", vision.target, "--kv-cache-tokens", "16384",
-                     "--max-model-len", "12000"]
+                     "--max-model-len", "12000", "--no-prefix-caching"]
         fast = ServiceProcess("llm", llm_flags).start()
         plain = ServiceProcess("llm", [*llm_flags, "--encoder-shared-memory", "off"]).start()
         procs += [fast, plain]

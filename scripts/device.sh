@@ -14,6 +14,8 @@
 #   bash scripts/device.sh encoder-tests encode-load encode-ab   # issue 18, graph per batch size (.prev, .mid carried)
 #   bash scripts/device.sh encode-replicas profile-graphed   # issue 18, sixth round: one service's process the cap?
 #   (then whisper-replicas)
+#   bash scripts/device.sh prefix-tests multiturn        # issue 22 (nvidia-h200), call 1 of 2
+#   bash scripts/device.sh prefix-ab                     # issue 22, call 2 of 2: no sharing, on against off
 #   bash scripts/device.sh encoder-tests encode-load encode-final-ab   # the same round's table (.prev carried)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
@@ -240,6 +242,15 @@ for name in "$@"; do
             python3 scripts/pyspy_summary.py "$P"/idle.txt "$P"/gil.txt "$P"/client-idle.txt --top 15 \
                 >"$OUT/$name-summary.txt" 2>&1
             tar czf "$OUT/$name.tgz" -C "$OUT" prof && rm -rf "$P" ;;
+        prefix-tests)  # issue 22: the LLM's CUDA tests (shared-page graph replay among them), the samplers' CUDA cases
+            step prefix-tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py tests/test_sampling.py \
+                tests/test_structured.py -k "not tensor_parallel" ;;
+        multiturn) step multiturn 420 python3 bench/multiturn.py ;;
+        prefix-ab)  # issue 22: no sharing (random prompts), the cache on against off: in process, then served
+            step llm-prefix-on 150 python3 bench/llm.py --batches 1,256,256 --no-hf
+            step llm-prefix-off 150 python3 bench/llm.py --batches 1,256,256 --no-hf --no-prefix-caching
+            step serve-prefix-on 170 python3 bench/serve.py --start --requests 2048
+            step serve-prefix-off 170 python3 bench/serve.py --start --requests 2048 --llm-flag=--no-prefix-caching ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

@@ -9,6 +9,7 @@ and an encoder of another checkpoint refused.
 import concurrent.futures as cf
 import io
 import math
+import time
 import urllib.request
 from pathlib import Path
 
@@ -112,6 +113,23 @@ class VLReference:
         self.processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
 
     def generate(self, text, images, n):
+        ids, kwargs = self._inputs(text, images)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    def greedy_logprobs(self, text, images, n):
+        """Greedy tokens and each one's logprob, from generate's own logits (teacher forcing would put the
+        image token back into input_ids when a tiny model samples it, which HF refuses)."""
+        ids, kwargs = self._inputs(text, images)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, **kwargs)
+        tokens = out.sequences[0, ids.shape[1]:]
+        logits = torch.stack(out.logits)[:, 0].float()
+        return tokens.tolist(), logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+
+    def _inputs(self, text, images):
         kwargs = {}
         if images:
             pil = [Image.open(io.BytesIO(data)) for data in images]
@@ -123,9 +141,7 @@ class VLReference:
             kwargs = dict(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
         ids = self.tok(text, return_tensors="pt")["input_ids"]
         kwargs["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
-        with torch.no_grad():
-            out = self.model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, **kwargs)
-        return out[0, ids.shape[1]:].tolist()
+        return ids, kwargs
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +226,44 @@ def test_co_located_embeddings_travel_through_shared_memory_and_bytes_when_off(v
         assert got["grpc"] == after["shared_memory"] - before["shared_memory"] and got["shared_memory"] == 0
     finally:
         assert stop_all(plain) == [0]
+
+
+def _until(predicate, timeout=10.0):
+    """Poll `predicate` until it holds (bounded): the encoder counts a call after it has sent the answer."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_the_same_image_asked_about_again_is_neither_encoded_nor_prefilled(vl, vl_ref):
+    _, vision, llm = vl
+    image, other = png(112, 140, seed=71), png(56, 84, seed=72)  # 20 rows
+    # The two prompts share the image and a page or more of text after it: pages are cached whole.
+    lead = f"Here is a picture: {VISION} Look at it closely, then answer my question. "
+    questions = [lead + "Which colours can you see in it?", lead + "What shapes are there?"]
+    before = counter(vision)
+    results = []
+    for i, text in enumerate(questions):
+        responses = list(pb.llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(llm.target)).Generate(
+            pb.GenerateRequest(text=text, items=image_items([image]), sampling=pb.SamplingParams(
+                temperature=0.0, max_tokens=10, logprobs=1)), timeout=120))
+        results.append(([t for r in responses for t in r.token_ids], [lp for r in responses for lp in r.logprobs],
+                        responses[-1].usage))
+        assert _until(lambda: counter(vision) >= before + 1)
+    # A third request with another image is encoded: had the second one called Encode, this would count 3.
+    generate(llm.target, text=f"{VISION} new", items=image_items([other]), sampling=greedy(2))
+    assert _until(lambda: counter(vision) >= before + 2)
+    time.sleep(0.2)
+    assert counter(vision) == before + 2
+    (_, _, first), (_, _, second) = results
+    rows_end = len(vl_ref.tok(lead.split(VISION)[0])["input_ids"]) + 1 + 20  # text, vision_start, rows
+    assert first.cached_tokens == 0 and second.cached_tokens >= rows_end, (first, second)
+    for text, (ids, lps, _) in zip(questions, results):
+        want, want_lps = vl_ref.greedy_logprobs(text, [image], 10)
+        assert ids == want
+        torch.testing.assert_close(torch.tensor(lps), want_lps, atol=1e-4, rtol=0)
+    assert metric(llm, "modalmesh_prefix_cache_hits_total") >= second.cached_tokens
 
 
 def test_bad_image_fails_cleanly_and_names_the_item(vl):

@@ -29,10 +29,10 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-llm")
 
 
-def _engine(path, tokenizer, dtype, cuda_graphs=True):
+def _engine(path, tokenizer, dtype, cuda_graphs=True, prefix_caching=True):
     metrics = Metrics("llm", process_metrics=False)
     config = LLMConfig(model_dir=path, device_type="cuda", dtype=dtype, max_model_len=256, kv_cache_tokens=2048,
-                       max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs)
+                       max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
     return LLMEngine(ModelRunner(config, metrics), tokenizer, eos_token_ids=(), metrics=metrics)
 
 
@@ -128,6 +128,61 @@ def test_cuda_graph_steps_equal_eager_steps(root, family):
         if graphs:
             assert replays["decode"] and replays["mixed"], replays
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_vl"])
+def test_graph_replay_over_shared_prefix_pages_equals_eager_and_the_cache_off(root, family):
+    """Prompts sharing a 40-token prefix: the later ones start from the first one's cached pages and decode
+    in graphs (their block tables name shared pages), against eager steps and against the cache off."""
+    from transformers import AutoTokenizer
+
+    path = tiny.ensure(family, root)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    system = [(11 * i + 5) % 300 + 20 for i in range(40)]
+    later = [system + [7, 8, 9], system + [300, 2], system[:20] + [41, 42, 43, 44], system + [7, 8, 9]]
+    results = {}
+    for graphs, caching in ((True, True), (False, True), (True, False)):
+        engine = _engine(path, tokenizer, torch.float32, cuda_graphs=graphs, prefix_caching=caching)
+        replays = []
+        if graphs:
+            run = engine.runner.graphs.run
+            engine.runner.graphs.run = lambda *a: (replays.append(1), run(*a))[1]
+        engine.start()
+        try:
+            got = [_generate_full(engine, [system + [1]], 12, prefix="a")[0]]
+            got += _generate_full(engine, later, 12, prefix="b")  # concurrent: decode batches of shared pages
+        finally:
+            engine.stop()
+        assert engine.pool.allocator.used_tokens == 0
+        assert not graphs or replays
+        cached = [c for _, _, c in got]
+        assert (sum(cached[1:]) > 0) == caching, cached
+        results[graphs, caching] = got
+    want = results[False, True]
+    for key in ((True, True), (True, False)):
+        for (ids, lps, _), (want_ids, want_lps, _) in zip(results[key], want):
+            assert ids == want_ids, key
+            torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
+
+
+def _generate_full(engine, prompts, n, prefix="r"):
+    """(tokens, logprobs, cached prompt tokens) of each prompt, all added at once."""
+    outs = [queue.Queue() for _ in prompts]
+    for i, p in enumerate(prompts):
+        engine.add(f"{prefix}{i}", PreparedPrompt(list(p)),
+                   SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1), outs[i].put)
+    results = []
+    for q in outs:
+        ids, lps = [], []
+        while True:
+            d = q.get(timeout=120)
+            assert d.error is None, d.error
+            ids += d.token_ids
+            lps += d.logprobs
+            if d.finish_reason:
+                break
+        results.append((ids, lps, d.cached_tokens))
+    return results
 
 
 def test_submitting_a_step_never_waits_for_the_device(root):

@@ -172,6 +172,8 @@ class LLMService(Service):
                     holds = [f"{choice_rid}/prefix-hold" for choice_rid in rids]
                     held = await self.engine.hold_prefix(holds, plan.keys)
                     skip = {i for i, end in plan.item_ends if end <= held}
+                    log.debug("generate %s: %d of %d prompt pages cached; items %s not encoded", rid, held //
+                              self.config.page_size, len(plan.keys), sorted(skip))
             # The encoders' Encode spans are children of this one (their calls carry its traceparent).
             with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items),
                                                                "modalmesh.items_cached": len(skip)}):
