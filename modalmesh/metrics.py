@@ -12,6 +12,7 @@ keeps the two in step). Services fill the values; the names do not change.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -312,9 +313,43 @@ class Metrics:
         self.kv_pool_bytes.labels(pool=pool).set(nbytes)
         self.kv_pool_page_size.labels(pool=pool).set(page_size)
 
+    def fold_in(self, fetch: Callable[[], str]) -> None:
+        """Show another process's registry (same schema) in this one's scrapes: `fetch` returns its exposition
+        text, called at each scrape from the exporter's thread (the LLM's edge asks its engine process)."""
+        self._folded = fetch
+
+    def collect(self):
+        """What a scrape shows: this registry, with the folded-in process's text merged (`merge_families`)."""
+        fetch = self.__dict__.get("_folded")
+        if fetch is None:
+            return self.registry.collect()
+        try:
+            text = fetch()
+        except Exception as exc:  # noqa: BLE001 - a scrape while that process stops: this process's alone
+            log.debug("metrics of the folded-in process unavailable: %s", exc)
+            return self.registry.collect()
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return merge_families(list(self.registry.collect()), list(text_string_to_metric_families(text)))
+
+    def restricted_registry(self, names):
+        """A scrape asking for some series only (`?name[]=...`), as prometheus_client's registries answer it."""
+        wanted = set(names)
+        metrics = self
+
+        class Restricted:
+            def collect(self):
+                for family in metrics.collect():
+                    samples = [s for s in family.samples if s.name in wanted]
+                    if samples:
+                        family.samples = samples
+                        yield family
+
+        return Restricted()
+
     def start_exporter(self, host: str, port: int) -> int:
-        """Serve /metrics over HTTP; returns the bound port (port 0 picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP; returns the bound port (port 0 picks one). A scrape reads `collect`."""
+        server, _thread = start_http_server(port, addr=host, registry=self)
         self._servers.append(server)
         bound = server.server_port
         log.info("metrics exporter on http://%s:%d/metrics", host, bound)
@@ -325,6 +360,43 @@ class Metrics:
             server.shutdown()
             server.server_close()
         self._servers.clear()
+
+
+# How one service's processes add up: counters, histograms and most gauges sum (tokens, bytes, memory,
+# CPU seconds, pauses); info gauges are 1 wherever set; these few are not amounts.
+_MERGE_MIN = frozenset({"process_start_time_seconds", "process_max_fds"})
+
+
+def merge_families(ours: list, theirs: list) -> list:
+    """Metric families of two processes of one service as one exposition: samples with the same name and
+    labels are added, except info gauges (max), `_created` and the start time / fd limit (min)."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.samples import Sample
+
+    merged: dict[str, tuple[Metric, dict]] = {}
+    for family in [*ours, *theirs]:
+        entry = merged.get(family.name)
+        if entry is None:
+            entry = merged[family.name] = (Metric(family.name, family.documentation, family.type, family.unit), {})
+        samples = entry[1]
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            old = samples.get(key)
+            if old is None:
+                samples[key] = sample
+                continue
+            if sample.name.endswith("_created") or family.name in _MERGE_MIN:
+                value = min(old.value, sample.value)
+            elif family.type in ("gauge", "info") and family.name.endswith("_info"):
+                value = max(old.value, sample.value)
+            else:
+                value = old.value + sample.value
+            samples[key] = Sample(sample.name, sample.labels, value, old.timestamp, old.exemplar)
+    out = []
+    for metric, samples in merged.values():
+        metric.samples = list(samples.values())
+        out.append(metric)
+    return out
 
 
 _current: Metrics | None = None

@@ -158,6 +158,23 @@ def span(name: str, *, parent=None, attributes: Mapping | None = None, kind: str
         yield current
 
 
+@contextlib.contextmanager
+def within(parent) -> Iterator[None]:
+    """Make `parent` (a context `extract`ed from another process's metadata) current inside the block: spans
+    started there are its children and log records carry its trace id. The LLM's engine process continues
+    each Generate call its gRPC edge took this way. A no-op while tracing is off or without a parent."""
+    if _tracer is None or parent is None:
+        yield
+        return
+    from opentelemetry import context
+
+    token = context.attach(parent)
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
 def timed_span(name: str, start_ns: int, end_ns: int, attributes: Mapping | None = None) -> None:
     """A finished child span of the current span from wall-clock marks (time.time_ns): stages whose code is
     not one block (the encoder's prepare / forward / transfer, the LLM's queue / prefill / decode)."""

@@ -98,3 +98,66 @@ def test_bad_metrics_buckets_are_a_config_error_naming_the_flag():
     for value in ("1,1", "10,5", "-1,2", "1,inf", "a,b"):
         with pytest.raises(ConfigError, match="--metrics-buckets"):
             MetricsOptions.from_flags(value)
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def test_a_scrape_shows_the_folded_in_process_summed_into_this_one():
+    """The LLM's edge folds its engine process's registry into its scrapes: amounts add up across the two
+    processes, info gauges stay 1, and a process start time is the earliest."""
+    edge, engine = Metrics("llm"), Metrics("llm")
+    engine.generation_tokens_total.inc(7)
+    engine.time_to_first_token_seconds.observe(0.02)
+    edge.time_to_first_token_seconds.observe(0.3)
+    engine.set_pool("kv", capacity_tokens=4096, used_tokens=16, nbytes=1 << 20, page_size=16)
+    edge.ready.set(1)
+    for m in (edge, engine):
+        m.set_service_info(model_id="m", version="1", dtype="float32", device="cpu")
+        m.gc_pause_seconds.labels(generation=2).observe(0.004)
+    edge.fold_in(lambda: generate_latest(engine.registry).decode())
+    port = edge.start_exporter("127.0.0.1", 0)
+    try:
+        got = _scrape(port)
+        mine = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in edge.registry.collect() for s in family.samples}
+        theirs = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                  for family in engine.registry.collect() for s in family.samples}
+    finally:
+        edge.stop_exporter()
+
+    def value(name, **labels):
+        return got[(name, tuple(sorted({"service": "llm", **labels}.items())))]
+
+    assert value("modalmesh_generation_tokens_total") == 7
+    assert value("modalmesh_ready") == 1
+    assert value("modalmesh_kv_pool_capacity_tokens", pool="kv") == 4096
+    assert value("modalmesh_time_to_first_token_seconds_count") == 2
+    assert value("modalmesh_time_to_first_token_seconds_bucket", le="0.025") == 1
+    assert value("modalmesh_time_to_first_token_seconds_bucket", le="0.5") == 2
+    assert value("modalmesh_gc_pause_seconds_count", generation="2") == 2
+    assert value("modalmesh_service_info", model_id="m", version="1", dtype="float32", device="cpu") == 1
+    start = ("process_start_time_seconds", ())
+    assert got[start] == min(mine[start], theirs[start])
+    rss = ("process_resident_memory_bytes", ())
+    assert got[rss] > max(mine[rss], theirs[rss])  # the service's memory: both processes'
+
+
+def test_a_scrape_while_the_folded_in_process_is_gone_shows_this_one():
+    edge = Metrics("llm", process_metrics=False)
+    edge.ready.set(1)
+
+    def gone():
+        raise ConnectionError("the LLM engine process is not serving")
+
+    edge.fold_in(gone)
+    port = edge.start_exporter("127.0.0.1", 0)
+    try:
+        assert _scrape(port)[("modalmesh_ready", (("service", "llm"),))] == 1
+    finally:
+        edge.stop_exporter()

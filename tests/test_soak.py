@@ -119,8 +119,10 @@ def test_mixed_load_through_faults_fails_nothing_and_leaks_nothing(tmp_path_fact
         for kind in kinds:  # warm-up, then the memory baseline
             got = one(kind)
             assert got[1] == 200, got
-        watched = {"llm": llm, "gateway": gw, "vision_encoder_1": vision[1]}
-        baseline = {name: _rss_mb(p.proc.pid) for name, p in watched.items()}
+        # Each process of the LLM (its gRPC edge, its engine process) and of the others.
+        watched = {f"{name}:{pid}": pid for name, p in (("llm", llm), ("gateway", gw), ("vision_encoder_1", vision[1]))
+                   for pid in p.pids()}
+        baseline = {name: _rss_mb(pid) for name, pid in watched.items()}
         results: list[tuple[str, int, str]] = []
         faults: list[str] = []
         deadline = time.monotonic() + SOAK_SECONDS
@@ -143,7 +145,7 @@ def test_mixed_load_through_faults_fails_nothing_and_leaks_nothing(tmp_path_fact
             faults.append("vision encoder replica 0 restarted")
             for f in futures:
                 f.result()
-        peak = {name: _rss_mb(p.proc.pid) for name, p in watched.items()}
+        peak = {name: _rss_mb(pid) for name, pid in watched.items()}
         failed = [r for r in results if r[1] != 200]
         by_kind = {k: sum(1 for r in results if r[0] == k) for k in kinds}
         with grpc.insecure_channel(llm.target) as channel:

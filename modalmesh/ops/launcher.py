@@ -55,6 +55,12 @@ class ServiceProcess:
         threading.Thread(target=self._pump, name=f"{self.service}-log", daemon=True).start()
         return self
 
+    def pids(self) -> list[int]:
+        """The service's processes: the one started and its descendants (the LLM's engine process and ranks)."""
+        if self.proc is None:
+            return []
+        return [self.proc.pid, *_descendants(self.proc.pid)]
+
     def _pump(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
         for line in self.proc.stderr:
@@ -173,3 +179,22 @@ class GatewayProcess(ServiceProcess):
                 return
             time.sleep(poll)
         raise TimeoutError(f"gateway /health still {status} {body} after {timeout}s\n{self.log_tail()}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux /proc; none elsewhere)."""
+    from pathlib import Path
+
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            found += [int(child), *_descendants(int(child))]
+    return found

@@ -5,7 +5,10 @@
     flags.py        the service's flags, declared without torch (`--help` answers before the model stack)
     limits.py       RequestLimits: what one request may ask (stop strings, stop ids, items)
     config.py       LLMConfig: every setting, one frozen value built from the flags, replaced per rank
-    server.py       LLMService: the gRPC servicer; tokenise, validate, resolve items, stream deltas
+    server.py       LLMService: the gRPC edge (its own process); streams each call's deltas from the engine process
+    engine_client.py  EngineClient: the edge's handle on the engine process (start, calls, Info, metrics, stop)
+    link.py         the edge <-> engine process link: framed messages, one frame of deltas per engine step
+    core.py         EngineCore: the engine process; tokenise, validate, resolve items, add to the engine
     inputs.py       request -> typed prompt: tokenisation, placeholder runs, rows counted before encoding
     embedding.py    Embedding: every item's embedding (a client's or an encoder's) as one value on the device
     encoders.py     the encoder pools (round_robin; paths and fallbacks from modalmesh.rpc.transfer), the fan-out

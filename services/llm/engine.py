@@ -1,9 +1,10 @@
 """The generation engine: a worker thread that runs scheduler steps over the model.
 
-The gRPC side (asyncio) adds requests and aborts through a thread-safe inbox;
-the worker drains it between steps — so new requests join the running batch
-between decode steps — schedules, runs the model, samples, detokenises, checks
-stop conditions and pushes deltas back to each request's asyncio queue.
+The engine process's event loop (core.py) adds requests and aborts through a
+thread-safe inbox; the worker drains it between steps — so new requests join
+the running batch between decode steps — schedules, runs the model, samples,
+detokenises, checks stop conditions and hands each step's deltas to their sinks
+at once (the link to the gRPC edge: one frame a step).
 Finishing, cancelling or a client going away frees the request's KV pages.
 The worker keeps the device busy: it submits step N+1 before it reads step N's
 tokens back, detokenises and emits them (see `_run`).
@@ -17,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -290,18 +292,18 @@ class LLMEngine:
     def _emit(self, ended: list[tuple[Sampled, int, str | None]], now: float) -> None:
         """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
         t0 = time.perf_counter()
-        batched: dict[asyncio.AbstractEventLoop, list] = {}
+        batched: dict[DeltaSink, list] = {}
         for s, index, finish in ended:
             state = s.chunk.seq.state
             delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now)
-            if isinstance(state.emit, ThreadSafeEmitter):
-                batched.setdefault(state.emit.loop, []).append((state.emit.out, delta))
+            if isinstance(state.emit, SinkEmitter):
+                batched.setdefault(state.emit.sink, []).append((state.emit.dest, delta))
             else:
                 state.emit(delta)
         if ended:
             self.metrics.generation_tokens_total.inc(len(ended))  # once a step, not once a token
-        for loop, pairs in batched.items():
-            ThreadSafeEmitter.deliver(loop, pairs)
+        for sink, pairs in batched.items():
+            sink.deliver(pairs)
         self.pool.publish()
         self.phase_seconds["post"] += time.perf_counter() - t0
 
@@ -334,7 +336,7 @@ class LLMEngine:
             if params.top_logprobs:
                 delta.top_logprobs.append(top)
         if first:
-            delta.scheduled_at = state.scheduled_at
+            delta.arrival, delta.scheduled_at = state.arrival, state.scheduled_at
         if finish is not None:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)
@@ -398,28 +400,23 @@ def _generated(seq: Sequence) -> int:
     return sum(1 for t in seq.output_ids if t != PENDING)
 
 
-class ThreadSafeEmitter:
-    """Delivers deltas to an asyncio queue from the engine thread. The engine hands a whole step's
-    deltas for one loop over in one call (`deliver`): one wake-up of the loop per step, not per token."""
+class DeltaSink(Protocol):
+    """Where requests' deltas go: `deliver` takes one step's (destination, delta) pairs for this sink at once,
+    on the engine thread (the LLM's engine process sends them to its gRPC edge as one frame: core.py)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, out: asyncio.Queue):
-        self.loop = loop
-        self.out = out
-
-    def __call__(self, delta: Delta) -> None:
-        self.loop.call_soon_threadsafe(self.out.put_nowait, delta)
-
-    @staticmethod
-    def deliver(loop: asyncio.AbstractEventLoop, pairs: list[tuple[asyncio.Queue, Delta]]) -> None:
-        def put_all() -> None:
-            for queue_, delta in pairs:
-                queue_.put_nowait(delta)
-
-        loop.call_soon_threadsafe(put_all)
+    def deliver(self, pairs: list[tuple[Any, Delta]]) -> None: ...
 
 
-def thread_safe_emitter(loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> ThreadSafeEmitter:
-    return ThreadSafeEmitter(loop, out)
+class SinkEmitter:
+    """A request's emitter whose deltas the engine hands to `sink` together with the step's others."""
+
+    __slots__ = ("sink", "dest")
+
+    def __init__(self, sink: DeltaSink, dest: Any):
+        self.sink, self.dest = sink, dest
+
+    def __call__(self, delta: Delta) -> None:  # a delta outside a step's batch (a failure, an abort)
+        self.sink.deliver([(self.dest, delta)])
 
 
-__all__ = ["Delta", "LLMEngine", "SeqStatus", "ThreadSafeEmitter", "thread_safe_emitter"]
+__all__ = ["Delta", "DeltaSink", "LLMEngine", "SeqStatus", "SinkEmitter"]

@@ -29,8 +29,10 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, found in the prefix cache (on the last delta)
     error: BaseException | None = None
-    # On a request's first token only: when (time.perf_counter) it was first in a step, so the service
-    # can split its queue time from its prefill in a trace (the engine thread does not emit then).
+    # On a request's first token only: when (time.perf_counter, one clock for the service's processes) it
+    # reached the engine and was first in a step, so the service can split its queue time from its prefill
+    # in a trace (the engine thread does not emit then).
+    arrival: float | None = None
     scheduled_at: float | None = None
 
 

@@ -1,0 +1,229 @@
+"""The link between the LLM's gRPC edge and its engine process: framed messages over a socket pair.
+
+    edge_end, engine_end = socket_pair()
+    sender = FrameSender(engine_end)                 # blocking, thread-safe: the engine thread sends too
+    sender.send(StepDeltas(rows))                    # one frame: every request's delta of one step
+    reader = await FrameReader.open(edge_end)        # asyncio, on the edge's event loop
+    message = await reader.recv()                    # None: the other end has gone
+
+Why a process boundary here: grpc's per-message work on the event loop and the engine thread's
+scheduling and detokenising shared one GIL, and each took about half of it under 256 streams (py-spy
+on the H200, issue 17). The engine process sends one frame per step whatever the batch; the edge
+turns it into each stream's messages. A frame is an 8-byte length and a pickle: both ends are this
+package, and nothing from a client is unpickled (requests cross as their protobuf bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+import threading
+from typing import Any, NamedTuple
+
+_HEADER = struct.Struct("<Q")
+_BUFFER_BYTES = 4 << 20  # a step's frame (256 sequences) is a few KB; an image request may be MBs
+
+
+# ---- edge -> engine ----------------------------------------------------------------------------------
+class GenerateCall(NamedTuple):
+    call_id: int
+    request: bytes  # the GenerateRequest as the client sent it (validated in the engine process)
+    timeout: float | None  # what the caller's deadline left when the edge took the call
+    metadata: tuple[tuple[str, str], ...]  # x-request-id and the Generate span's traceparent, for the engine's logs
+    # and the encoders' calls
+
+
+class EndCall(NamedTuple):
+    """The edge is done with a call: `complete` (every choice finished) or not (cancelled, failed): the engine
+    aborts what of it still runs and forgets it."""
+
+    call_id: int
+    complete: bool
+
+
+class Query(NamedTuple):
+    """Info (the engine's part of ServiceInfo) or metrics (its registry's exposition text)."""
+
+    query_id: int
+    what: str  # "info" | "metrics"
+
+
+class Shutdown(NamedTuple):
+    pass
+
+
+# ---- engine -> edge ----------------------------------------------------------------------------------
+class Ready(NamedTuple):
+    pass
+
+
+class LoadFailed(NamedTuple):
+    error: ErrorInfo
+
+
+class CallFailed(NamedTuple):
+    """A call refused or failed before its choices reached the engine (bad request, encoders, queue full)."""
+
+    call_id: int
+    error: ErrorInfo
+
+
+class StepDeltas(NamedTuple):
+    """One engine step's deltas for every call it served: rows of `DeltaRow`."""
+
+    rows: list
+
+
+class Answer(NamedTuple):
+    query_id: int
+    value: Any  # info: the serialized pb.ServiceInfo part; metrics: exposition text
+
+
+class Stopped(NamedTuple):
+    pass
+
+
+class ErrorInfo(NamedTuple):
+    """An exception as the edge re-raises it: `status` a grpc.StatusCode name for the project's errors
+    (modalmesh.errors), None for anything else (INTERNAL, the type name only)."""
+
+    status: str | None
+    message: str
+    type_name: str
+
+
+# A delta row, kept a plain tuple (a step's frame is built on the engine thread):
+#   (call_id, index, token_ids, text, logprobs, finish, extra)
+#   finish: None, or (finish_reason, prompt_tokens, completion_tokens, cached_tokens)
+#   extra:  None, or a dict with any of "tokens" (each token's text), "top" ([(ids, logprobs, texts)] per
+#           token), "arrival" / "scheduled_at" (time.perf_counter, on a request's first delta), "error" (ErrorInfo)
+DeltaRow = tuple
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    from modalmesh.errors import ModalmeshError
+
+    if isinstance(exc, ModalmeshError):
+        return ErrorInfo(exc.status.name, str(exc), type(exc).__name__)
+    return ErrorInfo(None, str(exc), type(exc).__name__)
+
+
+def raise_error(info: ErrorInfo, during: str = "generation") -> None:
+    """Re-raise an engine-side error on the edge, with the status it had there."""
+    import grpc
+
+    from modalmesh import errors
+
+    if info.status is not None:
+        status = grpc.StatusCode[info.status]
+        cls = next((c for c in _error_classes(errors.ModalmeshError) if c.status is status), errors.ModalmeshError)
+        exc = cls(info.message)
+        if cls is errors.ModalmeshError:
+            exc.status = status
+        raise exc
+    raise RuntimeError(f"{during} failed: {info.type_name}")
+
+
+def _error_classes(base):
+    for cls in base.__subclasses__():
+        if cls.__name__ != "ConfigError":
+            yield cls
+        yield from _error_classes(cls)
+
+
+# ---- transport ---------------------------------------------------------------------------------------
+def socket_pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
+    return a, b
+
+
+def encode(message) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class FrameSender:
+    """Blocking sends from any thread (the engine thread's steps, the event loop's replies), one frame at a
+    time. A send blocks only while the other end's buffer is full: the engine then waits for the edge."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._sock.setblocking(True)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, message) -> bool:
+        """False when the other end has gone (the caller's message is dropped)."""
+        data = encode(message)
+        with self._lock:
+            if self.closed:
+                return False
+            try:
+                self._sock.sendall(data)
+            except OSError:
+                self.closed = True
+                return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+
+class FrameReader:
+    """Frames off a socket on an event loop; `recv` gives None once the other end has closed."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader = reader
+        self._writer = writer  # held: a StreamWriter closes its transport when collected
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> FrameReader:
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=_BUFFER_BYTES)
+        return cls(reader, writer)
+
+    async def recv(self):
+        try:
+            header = await self._reader.readexactly(_HEADER.size)
+            (size,) = _HEADER.unpack(header)
+            payload = await self._reader.readexactly(size)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        return pickle.loads(payload)
+
+
+class FrameWriter:
+    """Frames onto a socket from an event loop, without blocking it (an image request can be MBs)."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> FrameWriter:
+        sock.setblocking(False)
+        _reader, writer = await asyncio.open_unix_connection(sock=sock)
+        return cls(writer)
+
+    def send(self, message) -> None:
+        """Queued on the loop's transport; `drain` waits while a large backlog has not gone out."""
+        if not self._writer.is_closing():
+            self._writer.write(encode(message))
+
+    async def drain(self) -> None:
+        try:
+            await self._writer.drain()
+        except ConnectionError:
+            pass
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,186 @@
+"""The LLM's two processes: the link between its gRPC edge and its engine process, and what crosses it.
+
+- frames cross whole, in order, from the engine thread and the event loop at once; a closed end reads None;
+- errors keep their gRPC status across the process boundary;
+- the engine hands one step's deltas for every call to the sink in one `deliver` (one frame a step), and
+  the edge's message of a choice equals what the engine emitted, rows merged when they pile up;
+- the service: the engine process is a child of the edge, and if it dies while serving the edge exits 1.
+"""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from modalmesh import pb
+from modalmesh.errors import InvalidArgument, ResourceExhausted
+from modalmesh.metrics import Metrics
+from modalmesh.testing import tiny
+from services.llm.core import LinkSink
+from services.llm.engine import LLMEngine, SinkEmitter
+from services.llm.inputs import PreparedPrompt
+from services.llm.link import (CallFailed, FrameReader, FrameSender, StepDeltas, error_info, raise_error,
+                               socket_pair)
+from services.llm.request import Delta
+from services.llm.sampling import SamplingParams
+from services.llm.server import _response
+from tests.test_llm_engine import ScriptedRunner
+
+
+def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads_none():
+    edge, engine = socket_pair()
+    sender = FrameSender(engine)
+    big = bytes(range(256)) * 40_000  # 10 MB: past the socket buffers, so the sender blocks on the reader
+
+    def engine_thread():
+        for i in range(200):
+            sender.send(StepDeltas([(i, 0, [i], str(i), [], None, None)]))
+
+    async def main():
+        reader = await FrameReader.open(edge)
+        threads = [threading.Thread(target=engine_thread),  # and a large one meanwhile: frames interleave, never mix
+                   threading.Thread(target=sender.send, args=(("big", big),))]
+        for t in threads:
+            t.start()
+        got = [await reader.recv() for _ in range(201)]
+        for t in threads:
+            t.join()
+        sender.close()
+        return got, await reader.recv()
+
+    got, after_close = asyncio.run(main())
+    steps = [m.rows[0][0] for m in got if isinstance(m, StepDeltas)]
+    assert steps == list(range(200))
+    assert [m for m in got if not isinstance(m, StepDeltas)] == [("big", big)]
+    assert after_close is None
+    assert sender.send(StepDeltas([])) is False  # a send after the close is dropped, not raised
+
+
+def test_errors_keep_their_status_across_the_link():
+    with pytest.raises(InvalidArgument, match="prompt is empty"):
+        raise_error(error_info(InvalidArgument("prompt is empty")))
+    with pytest.raises(ResourceExhausted):
+        raise_error(error_info(ResourceExhausted("queue full")))
+    with pytest.raises(RuntimeError, match="generation failed: KeyError") as raised:
+        raise_error(error_info(KeyError("x")))
+    assert not isinstance(raised.value, InvalidArgument)
+
+
+class _Sink:
+    """A DeltaSink that records each deliver call (one frame of the link each) and sends it on as LinkSink does."""
+
+    def __init__(self, tokenizer):
+        self.delivered: list[list] = []
+        self.frames: list = []
+
+        class Sender:
+            def send(inner, message):
+                self.frames.append(message)
+                return True
+
+        self.link = LinkSink(Sender(), lambda t: tokenizer.decode([t]))
+
+    def deliver(self, pairs):
+        self.delivered.append(list(pairs))
+        self.link.deliver(pairs)
+
+
+def test_one_step_of_many_calls_is_one_deliver_and_the_edge_rebuilds_each_choice():
+    tokenizer = tiny.build_tokenizer(["<|endoftext|>"], eos="<|endoftext|>")
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    names = ["a", "b", "c", "d"]
+    runner = ScriptedRunner({n: script for n in names}, [])
+    engine = LLMEngine(runner, tokenizer, eos_token_ids=(), metrics=Metrics("llm", process_metrics=False))
+    sink = _Sink(tokenizer)
+    for i, name in enumerate(names):  # "b" asks for logprobs
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1 if name == "b" else 0)
+        engine.add(name, PreparedPrompt([5, 6, 7]), params, SinkEmitter(sink, (i, 0, name == "b")))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sum(1 for f in sink.frames for row in f.rows if row[5] is not None) < 4:
+            assert time.monotonic() < deadline, sink.delivered
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    # Every step handed its tokens for the four calls over in one call, hence one frame a step.
+    assert len(sink.delivered) == len(sink.frames) == 6
+    assert all(sorted(call for (call, _, _), _ in pairs) == [0, 1, 2, 3] for pairs in sink.delivered)
+    for i, name in enumerate(names):
+        emitted = [d for pairs in sink.delivered for (call, _, _), d in pairs if call == i]
+        rows = [row for f in sink.frames for row in f.rows if row[0] == i]
+        # A message per step, or one for all of them had they piled up: each equals the engine's deltas.
+        assert [list(_response(0, [row])[0].token_ids) for row in rows] == [d.token_ids for d in emitted]
+        merged, finished = _response(0, rows)
+        assert finished and merged.finish_reason == pb.LENGTH and merged.usage.completion_tokens == 6
+        assert list(merged.token_ids) == script[:6]
+        assert merged.text == "".join(d.text for d in emitted)
+        if name == "b":  # logprobs asked: each token's text comes along (the gateway has no tokenizer)
+            assert list(merged.tokens) == [tokenizer.decode([t]) for t in script[:6]]
+            assert len(merged.logprobs) == 6
+        else:
+            assert not merged.tokens and not merged.logprobs
+    first = [row for f in sink.frames for row in f.rows][0]
+    assert first[6]["arrival"] <= first[6]["scheduled_at"]  # the trace's queue and prefill marks
+
+
+def test_an_error_row_raises_with_its_status_and_a_refused_call_is_one_message():
+    row = (7, 0, [], "", [], ("abort", 0, 0, 0), {"error": error_info(ResourceExhausted("no KV pages"))})
+    with pytest.raises(ResourceExhausted, match="no KV pages"):
+        _response(0, [(7, 0, [3], "x", [], None, None), row])
+    assert isinstance(CallFailed(7, error_info(InvalidArgument("bad"))).error.status, str)
+
+
+def _llm(model_dir, *extra):
+    from modalmesh.ops.launcher import ServiceProcess
+
+    proc = ServiceProcess("llm", ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model",
+                                  str(model_dir), "--kv-cache-tokens", "2048", *extra]).start()
+    proc.wait_serving(timeout=120)
+    return proc
+
+
+def test_if_the_engine_process_dies_while_serving_the_service_exits_1(tmp_path):
+    model_dir = tiny.ensure("qwen2", tmp_path)
+    proc = _llm(model_dir)
+    try:
+        edge, engine = proc.pids()[0], [p for p in proc.pids()[1:]
+                                        if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(engine) == 1, proc.pids()
+        with grpc.insecure_channel(proc.target) as channel:
+            stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+            replies = list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(
+                temperature=0, max_tokens=3)), timeout=60))
+            assert sum(len(r.token_ids) for r in replies) == 3
+        os.kill(engine[0], signal.SIGKILL)
+        assert proc.proc.wait(timeout=30) == 1
+        assert any("engine process exited" in line for line in proc.lines), list(proc.lines)[-10:]
+        assert edge == proc.proc.pid
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+
+
+def test_a_clean_stop_ends_both_processes_with_0_and_leaves_nothing_behind(tmp_path):
+    model_dir = tiny.ensure("qwen2", tmp_path)
+    proc = _llm(model_dir)
+    try:
+        pids = proc.pids()
+        with grpc.insecure_channel(proc.target) as channel:
+            stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+            assert sum(len(r.token_ids) for r in stub.Generate(pb.GenerateRequest(
+                text="hi", sampling=pb.SamplingParams(temperature=0, max_tokens=3)), timeout=60)) == 3
+        proc.send_sigterm()
+        assert proc.terminate(timeout=60) == 0
+        for pid in pids:
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] == "Z"
+        # The engine process leaves with os._exit (distributed.exit_rank): multiprocessing's exit work still
+        # ran, or the resource tracker would warn of tqdm's semaphore on stderr after it.
+        assert not [line for line in proc.lines if "leaked" in line or "Warning" in line], list(proc.lines)[-5:]
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
