@@ -17,6 +17,8 @@
 #   bash scripts/device.sh prefix-tests multiturn        # issue 22 (nvidia-h200), call 1 of 2
 #   bash scripts/device.sh prefix-ab                     # issue 22, call 2 of 2: no sharing, on against off
 #   bash scripts/device.sh encoder-tests encode-load encode-final-ab   # the same round's table (.prev carried)
+#   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
+#   bash scripts/device.sh table-17 profile-edge         # issue 17's table on one GPU (nvidia-h200)
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -251,6 +253,28 @@ for name in "$@"; do
             step llm-prefix-off 150 python3 bench/llm.py --batches 1,256,256 --no-hf --no-prefix-caching
             step serve-prefix-on 170 python3 bench/serve.py --start --requests 2048
             step serve-prefix-off 170 python3 bench/serve.py --start --requests 2048 --llm-flag=--no-prefix-caching ;;
+        edge-ab)  # issue 17: the engine in a process of its own behind the gRPC edge, against the code before
+            # (.prev = git archive of it, carried), 4,096 requests each from 4 client processes (this tree's
+            # bench on both), twice each, alternating
+            cp bench/__init__.py bench/serve.py bench/llm.py .prev/bench/
+            for run in 1 2; do
+                step serve-edge$run 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096
+                step serve-prev$run 170 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=0 \
+                    python3 bench/serve.py --start --requests 4096'
+            done ;;
+        table-17)  # issue 17's table on one GPU: the LLM's CUDA tests, decode beside HF, cuBLASLt at batch 1
+            # (TORCH_BLAS_PREFER_CUBLASLT: does it drop down_proj's split-K reduce?), image+text on one GPU
+            step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py
+            step llm-table 200 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,32,256
+            step llm-cublaslt 120 env TORCH_BLAS_PREFER_CUBLASLT=1 CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py \
+                --batches 1,32 --no-hf
+            step placement-shared 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared ;;
+        profile-edge)  # issue 17: 256 streams on the edge + engine process, who holds each process's GIL
+            step profile-edge 200 /tmp/site/bin/py-spy record --subprocesses --threads --gil --rate 100 \
+                --format raw -o "$OUT/profile-edge.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start \
+                --requests 2048
+            python3 scripts/pyspy_summary.py "$OUT/profile-edge.txt" --top 12 >"$OUT/profile-edge-summary.txt" 2>&1
+            gzip -f "$OUT/profile-edge.txt" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
