@@ -18,7 +18,8 @@
 #   bash scripts/device.sh prefix-ab                     # issue 22, call 2 of 2: no sharing, on against off
 #   bash scripts/device.sh encoder-tests encode-load encode-final-ab   # the same round's table (.prev carried)
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
-#   bash scripts/device.sh table-17 profile-edge         # issue 17's table on one GPU (nvidia-h200)
+#   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
+#   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
@@ -275,6 +276,13 @@ for name in "$@"; do
                 --requests 2048
             python3 scripts/pyspy_summary.py "$OUT/profile-edge.txt" --top 12 >"$OUT/profile-edge-summary.txt" 2>&1
             gzip -f "$OUT/profile-edge.txt" ;;
+        profile-placement)  # issue 17: image+text on one GPU (64 concurrent, 448^2, 64 out), every process's GIL
+            step profile-placement 200 /tmp/site/bin/py-spy record --subprocesses --threads --gil --rate 100 \
+                --format raw -o "$OUT/profile-placement.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py \
+                --layouts shared
+            python3 scripts/pyspy_summary.py "$OUT/profile-placement.txt" --top 12 \
+                >"$OUT/profile-placement-summary.txt" 2>&1
+            gzip -f "$OUT/profile-placement.txt" ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
