@@ -283,6 +283,7 @@ for name in "$@"; do
             python3 scripts/pyspy_summary.py "$OUT/profile-placement.txt" --top 12 \
                 >"$OUT/profile-placement-summary.txt" 2>&1
             gzip -f "$OUT/profile-placement.txt" ;;
+        gemv) step gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/gemv.py ;;  # issue 17: batch-1 products alone
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
