@@ -283,7 +283,12 @@ for name in "$@"; do
             python3 scripts/pyspy_summary.py "$OUT/profile-placement.txt" --top 12 \
                 >"$OUT/profile-placement-summary.txt" 2>&1
             gzip -f "$OUT/profile-placement.txt" ;;
-        gemv) step gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/gemv.py ;;  # issue 17: batch-1 products alone
+        gemv)  # issue 17's batch-1 row: the products alone (cuBLAS against the Triton GEMV's configs), its CUDA
+            # tests, then decode with and without it
+            step gemv-tests 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py
+            step gemv 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/gemv.py
+            step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf --gemv
+            step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

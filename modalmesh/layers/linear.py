@@ -11,6 +11,11 @@ The TP rank and size default to the process's group (`modalmesh.distributed`);
 passing them explicitly builds any rank's shard in a single process (tests).
 Layers built under ``with torch.device("meta")`` allocate nothing until the
 weight loader materialises them.
+
+A layer whose ``gemv`` flag is set (`enable_gemv`) runs inputs of at most
+``MAX_ROWS`` rows through the Triton GEMV (`modalmesh.kernels.gemv`), which
+reads the weight faster than cuBLAS at batch-1 decode; everything else, and
+every layer by default, runs F.linear.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 
 from modalmesh import distributed
 from modalmesh.errors import ConfigError
+from modalmesh.kernels import gemv as gemv_kernels
 from modalmesh.weights.errors import WeightMismatchError
 from modalmesh.weights.param import copy_into, default_weight_loader, narrow_checked, set_weight_loader
 
@@ -48,6 +54,7 @@ class LinearBase(nn.Module):
         self.input_size = input_size  # full (unsharded) sizes
         self.output_size = output_size
         self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.gemv = False  # set by enable_gemv
 
     def _make_params(self, out_per_rank: int, in_per_rank: int, bias: bool, shard_ids: tuple = ()) -> None:
         self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=self.params_dtype), requires_grad=False)
@@ -60,6 +67,12 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, self.weight, bias), through the GEMV kernel when enabled and `x` has few rows."""
+        if self.gemv and gemv_kernels.usable(x, self.weight):
+            return gemv_kernels.gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
@@ -77,7 +90,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -105,7 +118,7 @@ class ColumnParallelLinear(LinearBase):
                         size=n, what="column-parallel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.bias)
         return distributed.all_gather(y, dim=-1) if self.gather_output and self.tp_size > 1 else y
 
 
@@ -244,10 +257,18 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self._linear(x, self.bias)
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
-        y = F.linear(x, self.weight)
+        y = self._linear(x, None)
         if self.reduce_results:
             y = distributed.all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+
+def enable_gemv(model: nn.Module, enabled: bool = True) -> int:
+    """Set (or clear) the `gemv` flag of every linear layer in `model`; returns how many layers it set."""
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in layers:
+        layer.gemv = enabled
+    return len(layers)

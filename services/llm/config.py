@@ -58,6 +58,7 @@ class LLMConfig:
     max_queue: int = 1024
     cuda_graphs: bool = True
     fused_kernels: bool = True  # the decoder layers' Triton kernels on CUDA (modalmesh.kernels)
+    gemv_kernels: bool = False  # products of at most 4 rows through modalmesh.kernels.gemv (--gemv-kernels; A/B)
     # tensor parallelism
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -118,7 +119,8 @@ class LLMConfig:
             kv_cache_tokens=kv_tokens, mem_fraction=args.mem_fraction, max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=args.max_prefill_chunk,
             max_queue=args.max_queue, cuda_graphs=not args.enforce_eager,
-            fused_kernels=not args.no_fused_kernels, tensor_parallel_size=tp,
+            fused_kernels=not args.no_fused_kernels, gemv_kernels=getattr(args, "gemv_kernels", False),
+            tensor_parallel_size=tp,
             encoders=EncoderTargets(vision=args.vision_encoder, audio=args.audio_encoder,
                                     timeout_s=args.encoder_timeout, allow_foreign=args.allow_foreign_encoders,
                                     shared_memory=args.encoder_shared_memory == "auto",

@@ -44,6 +44,7 @@ from services.llm.config import LLMConfig
 from modalmesh.attention.backends.triton_paged import PER_TOKEN_BUDGET
 from services.llm.graphs import DecodeGraphs, MixedGraphs
 from services.llm.loader import load_llm
+from modalmesh.layers.linear import enable_gemv
 from services.llm.request import RequestState
 from services.llm.sampling import SamplerRow, sample
 from services.llm.scheduler import PENDING, Chunk, Sequence, Step
@@ -136,6 +137,8 @@ class ModelRunner:
         self.model, self.model_config, _ = load_llm(config.model_dir, device=self.device, dtype=config.dtype,
                                                     page_size=config.page_size, dummy=config.dummy_weights,
                                                     selector=self.selector, fused_kernels=config.fused_kernels)
+        if config.gemv_kernels and config.fused_kernels:  # few-row products (batch-1 decode) through the Triton GEMV
+            enable_gemv(self.model)
         self.pool = build_kv_pool(self.model_config, self.device, max_model_len=config.max_model_len,
                                   dtype=config.dtype, tp_size=config.world_size, page_size=config.page_size,
                                   kv_cache_tokens=config.kv_cache_tokens, mem_fraction=config.mem_fraction,
