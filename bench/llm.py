@@ -116,7 +116,7 @@ def main() -> int:
                         help="also trace 16 decode steps per batch: GPU busy time per step and the top kernels")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs); the HF column needs 1")
     parser.add_argument("--no-fused-kernels", action="store_true", help="the layers' unfused PyTorch path (A/B)")
-    parser.add_argument("--gemv", action="store_true", help="few-row products through the Triton GEMV (A/B)")
+    parser.add_argument("--no-gemv", action="store_true", help="one-row products through cuBLAS, not the GEMV (A/B)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="the engine without its prefix cache (A/B: random prompts share nothing)")
     args = parser.parse_args()
@@ -140,7 +140,7 @@ def main() -> int:
     config = LLMConfig(model_dir=ckpt, device_type=device.type, dtype=dtype, dummy_weights=True,
                        max_model_len=max(max_len, 2048 + 8), kv_cache_tokens=kv_tokens, mem_fraction=0.5,
                        max_num_seqs=max(batches), max_batch_tokens=max(8192, 2048 + 8), tensor_parallel_size=args.tp,
-                       fused_kernels=not args.no_fused_kernels, gemv_kernels=args.gemv, prefix_caching=not args.no_prefix_caching)
+                       fused_kernels=not args.no_fused_kernels, gemv_kernels=not args.no_gemv, prefix_caching=not args.no_prefix_caching)
     metrics = Metrics("llm", process_metrics=False)
     runner = ModelRunner.launch(config, metrics)
     model, pool = runner.model, runner.pool
@@ -188,7 +188,7 @@ def main() -> int:
             except torch.OutOfMemoryError:
                 hf[b] = float("nan")
                 torch.cuda.empty_cache()
-    print(f"\nTP={args.tp}  fused kernels: {'no' if args.no_fused_kernels else 'yes'}  gemv: {'yes' if args.gemv else 'no'}  prefix cache: "
+    print(f"\nTP={args.tp}  fused kernels: {'no' if args.no_fused_kernels else 'yes'}  gemv: {'no' if args.no_gemv else 'yes'}  prefix cache: "
           f"{'off' if args.no_prefix_caching else 'on'}")
     print(f"{'batch':>6} {'ours tok/s':>12} {'HF tok/s':>10} {'speedup':>8} {'ours TTFT ms':>13}")
     for b in batches:
@@ -200,7 +200,7 @@ def main() -> int:
     for b in batches:
         print(f"   batch {b:>4}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases[b].items()))
     print(f"TTFT of a 2048-token prompt, idle engine: {ttft_2k * 1e3:.1f} ms")
-    print("RESULT " + json.dumps({"tp": args.tp, "fused": not args.no_fused_kernels, "gemv": args.gemv, "prefix_cache": not args.no_prefix_caching, "tok_s": {b: round(ours[b][0], 1) for b in batches},
+    print("RESULT " + json.dumps({"tp": args.tp, "fused": not args.no_fused_kernels, "gemv": not args.no_gemv, "prefix_cache": not args.no_prefix_caching, "tok_s": {b: round(ours[b][0], 1) for b in batches},
                                   "hf_tok_s": {b: round(hf[b], 1) for b in hf}, "limit_b1": round(limit) if limit == limit else None,
                                   "step_ms": {b: round(sum(phases[b].values()), 2) for b in batches}}))
     return 0

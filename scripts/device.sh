@@ -287,8 +287,14 @@ for name in "$@"; do
             # tests, then decode with and without it
             step gemv-tests 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_gemv.py
             step gemv 240 env CUDA_VISIBLE_DEVICES=0 python3 bench/gemv.py
-            step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf --gemv
-            step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf ;;
+            step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf
+            step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,4,32 --no-hf --no-gemv ;;
+        final-gemv)  # the GEMV on by default: the LLM's CUDA tests, decode A/B with it off, serving once more
+            step cuda-tests 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider \
+                tests/test_llm_cuda.py tests/test_gemv.py
+            step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf
+            step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf --no-gemv
+            step serve-final 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done

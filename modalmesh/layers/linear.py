@@ -13,9 +13,9 @@ Layers built under ``with torch.device("meta")`` allocate nothing until the
 weight loader materialises them.
 
 A layer whose ``gemv`` flag is set (`enable_gemv`) runs inputs of at most
-``MAX_ROWS`` rows through the Triton GEMV (`modalmesh.kernels.gemv`), which
-reads the weight faster than cuBLAS at batch-1 decode; everything else, and
-every layer by default, runs F.linear.
+``ROUTED_ROWS`` rows (one) through the Triton GEMV (`modalmesh.kernels.gemv`),
+which reads the weight faster than cuBLAS at batch-1 decode; everything else
+runs F.linear.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear(x, self.weight, bias), through the GEMV kernel when enabled and `x` has few rows."""
-        if self.gemv and gemv_kernels.usable(x, self.weight):
+        if self.gemv and x.shape[0] <= gemv_kernels.ROUTED_ROWS and gemv_kernels.usable(x, self.weight):
             return gemv_kernels.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 

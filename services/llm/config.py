@@ -58,7 +58,8 @@ class LLMConfig:
     max_queue: int = 1024
     cuda_graphs: bool = True
     fused_kernels: bool = True  # the decoder layers' Triton kernels on CUDA (modalmesh.kernels)
-    gemv_kernels: bool = False  # products of at most 4 rows through modalmesh.kernels.gemv (--gemv-kernels; A/B)
+    gemv_kernels: bool = True  # one-row products (batch-1 decode) through modalmesh.kernels.gemv, with the fused
+    # kernels (--no-gemv-kernels: cuBLAS)
     # tensor parallelism
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -119,7 +120,7 @@ class LLMConfig:
             kv_cache_tokens=kv_tokens, mem_fraction=args.mem_fraction, max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=args.max_prefill_chunk,
             max_queue=args.max_queue, cuda_graphs=not args.enforce_eager,
-            fused_kernels=not args.no_fused_kernels, gemv_kernels=getattr(args, "gemv_kernels", False),
+            fused_kernels=not args.no_fused_kernels, gemv_kernels=not getattr(args, "no_gemv_kernels", False),
             tensor_parallel_size=tp,
             encoders=EncoderTargets(vision=args.vision_encoder, audio=args.audio_encoder,
                                     timeout_s=args.encoder_timeout, allow_foreign=args.allow_foreign_encoders,

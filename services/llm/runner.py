@@ -137,7 +137,7 @@ class ModelRunner:
         self.model, self.model_config, _ = load_llm(config.model_dir, device=self.device, dtype=config.dtype,
                                                     page_size=config.page_size, dummy=config.dummy_weights,
                                                     selector=self.selector, fused_kernels=config.fused_kernels)
-        if config.gemv_kernels and config.fused_kernels:  # few-row products (batch-1 decode) through the Triton GEMV
+        if config.gemv_kernels and config.fused_kernels:  # one-row products (batch-1 decode): the Triton GEMV
             enable_gemv(self.model)
         self.pool = build_kv_pool(self.model_config, self.device, max_model_len=config.max_model_len,
                                   dtype=config.dtype, tp_size=config.world_size, page_size=config.page_size,
