@@ -8,6 +8,8 @@ PyTorch path it replaces (the same roundings to the activation dtype):
     norm.py      residual add + RMSNorm (and RMSNorm alone)
     activation.py  SiLU(gate) * up over a fused gate|up projection
     rotary.py    RoPE of q and k + the write of k and v into the paged KV pool
+    gemv.py      a weight product of one row (batch-1 decode), where cuBLAS leaves bandwidth unused;
+                 routed by the linear layers' `gemv` flag (`enable_gemv`, the LLM's --no-gemv-kernels)
 
 A layer calls a kernel only when it was built with ``fused=True`` (the LLM's
 ``--fused-kernels``), its tensors are on a CUDA device and Triton imports
