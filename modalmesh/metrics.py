@@ -313,24 +313,24 @@ class Metrics:
         self.kv_pool_bytes.labels(pool=pool).set(nbytes)
         self.kv_pool_page_size.labels(pool=pool).set(page_size)
 
-    def fold_in(self, fetch: Callable[[], str]) -> None:
-        """Show another process's registry (same schema) in this one's scrapes: `fetch` returns its exposition
-        text, called at each scrape from the exporter's thread (the LLM's edge asks its engine process)."""
+    def fold_in(self, fetch: Callable[[], list]) -> None:
+        """Show another process's registry (same schema) in this one's scrapes: `fetch` returns its metric families
+        (`registry.collect()`, pickled across: no text round trip, which would split each `_created` sample
+        into a family of its own), called at each scrape from the exporter's thread (the LLM's edge asks its
+        engine process)."""
         self._folded = fetch
 
     def collect(self):
-        """What a scrape shows: this registry, with the folded-in process's text merged (`merge_families`)."""
+        """What a scrape shows: this registry, with the folded-in process's families merged (`merge_families`)."""
         fetch = self.__dict__.get("_folded")
         if fetch is None:
             return self.registry.collect()
         try:
-            text = fetch()
+            theirs = fetch()
         except Exception as exc:  # noqa: BLE001 - a scrape while that process stops: this process's alone
             log.debug("metrics of the folded-in process unavailable: %s", exc)
             return self.registry.collect()
-        from prometheus_client.parser import text_string_to_metric_families
-
-        return merge_families(list(self.registry.collect()), list(text_string_to_metric_families(text)))
+        return merge_families(list(self.registry.collect()), list(theirs))
 
     def restricted_registry(self, names):
         """A scrape asking for some series only (`?name[]=...`), as prometheus_client's registries answer it."""

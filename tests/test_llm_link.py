@@ -184,3 +184,68 @@ def test_a_clean_stop_ends_both_processes_with_0_and_leaves_nothing_behind(tmp_p
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
+
+
+def _edge_call(items, n=1):
+    """The edge's Generate over a fake engine client whose call queue already holds `items`; (error, ended)."""
+    import types
+
+    from services.llm.engine_client import EdgeCall
+    from services.llm.server import LLMService
+
+    ended = []
+
+    async def main():
+        call = EdgeCall(1)
+        for item in items:
+            call.queue.put_nowait(item)
+        client = types.SimpleNamespace(ready=True, open_call=lambda *a: call,
+                                       end_call=lambda c, complete: ended.append(complete))
+        edge = types.SimpleNamespace(client=client)
+        got = []
+        try:
+            async for response in LLMService.generate(edge, pb.GenerateRequest(sampling=pb.SamplingParams(n=n))):
+                got.append(response)
+        except Exception as exc:  # noqa: BLE001 - what the interceptor would turn into a status
+            return got, exc, ended
+        return got, None, ended
+
+    return asyncio.run(main())
+
+
+def test_a_refusal_behind_a_running_choices_rows_is_still_the_calls_error():
+    """n = 2: choice 0 was added and sent a row before choice 1 was refused (queue full): the refusal, whatever
+    its place among what piled up, ends the call with its status (it was a ValueError on the row's unpacking)."""
+    row = (1, 0, [5], "a", [], None, None)
+    refused = CallFailed(1, error_info(ResourceExhausted("the LLM queue is full")))
+    got, error, ended = _edge_call([row, refused], n=2)
+    assert isinstance(error, ResourceExhausted) and ended == [False]
+
+
+def test_a_negative_n_waits_for_the_engines_refusal():
+    """n = -2 is refused by the engine (SamplingParams); the edge must not take it for "no choices" and end OK."""
+    got, error, ended = _edge_call([CallFailed(1, error_info(InvalidArgument("n must be in [1, 16], got -2")))], n=-2)
+    assert isinstance(error, InvalidArgument) and not got and ended == [False]
+
+
+def test_a_delta_that_cannot_be_sent_fails_its_call_not_the_engine_thread():
+    frames = []
+
+    class Sender:
+        def send(self, message):
+            frames.append(message)
+            return True
+
+    def token_text(token):
+        if token == 13:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer's bad day")
+        return "t"
+
+    sink = LinkSink(Sender(), token_text)
+    sink.deliver([((1, 0, True), Delta([13], "x", [-0.5])), ((2, 0, True), Delta([7], "y", [-0.1]))])
+    (frame,) = frames
+    bad, good = frame.rows
+    assert bad[5][0] == "abort" and bad[6]["error"].type_name == "UnicodeDecodeError"
+    assert good[2] == [7] and good[6]["tokens"] == ["t"]
+    with pytest.raises(RuntimeError, match="UnicodeDecodeError"):
+        _response(0, [bad])

@@ -1,5 +1,6 @@
 """The metric schema: documented, prefixed, labelled by service, and behaving as gauges/counters should."""
 
+import pickle
 import re
 from pathlib import Path
 
@@ -100,6 +101,13 @@ def test_bad_metrics_buckets_are_a_config_error_naming_the_flag():
             MetricsOptions.from_flags(value)
 
 
+def _raw(port: int, accept: str = "text/plain") -> str:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+    return urllib.request.urlopen(request, timeout=10).read().decode()
+
+
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     import urllib.request
 
@@ -120,10 +128,12 @@ def test_a_scrape_shows_the_folded_in_process_summed_into_this_one():
     for m in (edge, engine):
         m.set_service_info(model_id="m", version="1", dtype="float32", device="cpu")
         m.gc_pause_seconds.labels(generation=2).observe(0.004)
-    edge.fold_in(lambda: generate_latest(engine.registry).decode())
+    # Pickled as the link carries them.
+    edge.fold_in(lambda: pickle.loads(pickle.dumps(list(engine.registry.collect()))))
     port = edge.start_exporter("127.0.0.1", 0)
     try:
         got = _scrape(port)
+        text, open_metrics = _raw(port), _raw(port, "application/openmetrics-text; version=1.0.0")
         mine = {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in edge.registry.collect() for s in family.samples}
         theirs = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -146,6 +156,17 @@ def test_a_scrape_shows_the_folded_in_process_summed_into_this_one():
     assert got[start] == min(mine[start], theirs[start])
     rss = ("process_resident_memory_bytes", ())
     assert got[rss] > max(mine[rss], theirs[rss])  # the service's memory: both processes'
+    # One family per name and one value per series, in both formats (Prometheus asks for OpenMetrics first, and
+    # drops a scrape whose series repeat); _created is the earlier of the two.
+    helps = [line for line in text.splitlines() if line.startswith("# HELP")]
+    assert len(helps) == len(set(helps))
+    series = [line.rsplit(" ", 1)[0] for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(series) == len(set(series))
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_open_metrics
+
+    assert list(parse_open_metrics(open_metrics))
+    created = ("modalmesh_generation_tokens_created", (("service", "llm"),))
+    assert got[created] == min(mine[created], theirs[created])
 
 
 def test_a_scrape_while_the_folded_in_process_is_gone_shows_this_one():

@@ -100,22 +100,30 @@ class LinkSink:
     def deliver(self, pairs: list[tuple[tuple[int, int, bool], Delta]]) -> None:
         rows = []
         for (call_id, index, texts), d in pairs:
-            extra = None
-            if texts or d.top_logprobs or d.scheduled_at is not None or d.error is not None:
-                extra = {}
-                if texts:  # the gateway has no tokenizer: logprobs come with each token's text
-                    extra["tokens"] = [self.token_text(t) for t in d.token_ids]
-                if d.top_logprobs:
-                    extra["top"] = [([t for t, _ in top], [v for _, v in top], [self.token_text(t) for t, _ in top])
-                                    for top in d.top_logprobs]
-                if d.scheduled_at is not None:
-                    extra["scheduled_at"], extra["arrival"] = d.scheduled_at, d.arrival
-                if d.error is not None:
-                    extra["error"] = error_info(d.error)
-            finish = (None if d.finish_reason is None else
-                      (d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens))
-            rows.append((call_id, index, d.token_ids, d.text, d.logprobs, finish, extra))
+            try:
+                rows.append(self._row(call_id, index, texts, d))
+            except Exception as exc:  # noqa: BLE001 - that call fails (the edge ends it); the engine thread goes on
+                log.exception("delta of call %d could not be sent", call_id)
+                rows.append((call_id, index, [], "", [], ("abort", 0, 0, 0), {"error": error_info(exc)}))
         self.sender.send(StepDeltas(rows))
+
+    def _row(self, call_id: int, index: int, texts: bool, d: Delta) -> tuple:
+        """One delta as a link.DeltaRow."""
+        extra = None
+        if texts or d.top_logprobs or d.scheduled_at is not None or d.error is not None:
+            extra = {}
+            if texts:  # the gateway has no tokenizer: logprobs come with each token's text
+                extra["tokens"] = [self.token_text(t) for t in d.token_ids]
+            if d.top_logprobs:
+                extra["top"] = [([t for t, _ in top], [v for _, v in top], [self.token_text(t) for t, _ in top])
+                                for top in d.top_logprobs]
+            if d.scheduled_at is not None:
+                extra["scheduled_at"], extra["arrival"] = d.scheduled_at, d.arrival
+            if d.error is not None:
+                extra["error"] = error_info(d.error)
+        finish = (None if d.finish_reason is None else
+                  (d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens))
+        return call_id, index, d.token_ids, d.text, d.logprobs, finish, extra
 
 
 class EngineCore:
@@ -172,9 +180,7 @@ class EngineCore:
 
     def _answer(self, what: str):
         if what == "metrics":
-            from prometheus_client import generate_latest
-
-            return generate_latest(self.metrics.registry).decode()
+            return list(self.metrics.registry.collect())
         return self.info().SerializeToString()
 
     # -- life cycle ------------------------------------------------------------------------------

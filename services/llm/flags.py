@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decoder layers' unfused PyTorch path on CUDA too (no Triton kernels)")
     parser.add_argument("--no-gemv-kernels", action="store_true",
                         help="one-row weight products (batch-1 decode) through cuBLAS instead of the Triton GEMV "
-                             "(faster on an H200: bench/gemv.py)")
+                             "(the GEMV is the faster on an H200: bench/gemv.py)")
     parser.add_argument("--vision-encoder", default=None, metavar="TARGET",
                         help="vision encoder pool, e.g. dns:///vision_encoder:50051 or ipv4:127.0.0.1:50061,...")
     parser.add_argument("--audio-encoder", default=None, metavar="TARGET", help="audio encoder pool")

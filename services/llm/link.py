@@ -78,7 +78,7 @@ class StepDeltas(NamedTuple):
 
 class Answer(NamedTuple):
     query_id: int
-    value: Any  # info: the serialized pb.ServiceInfo part; metrics: exposition text
+    value: Any  # info: the serialized pb.ServiceInfo part; metrics: the registry's metric families
 
 
 class Stopped(NamedTuple):

@@ -78,7 +78,9 @@ class LLMService(Service):
         if client is None or not client.ready:
             raise self.not_ready("this LLM service")
         open_at = (time.time_ns(), time.perf_counter())
-        remaining = request.sampling.n or 1  # choices still running (an n the engine refuses fails first)
+        # Choices still running. An n the engine refuses (0 is 1; negative, too many) gets its CallFailed first: the
+        # call waits for at least one item whatever n says.
+        remaining = max(request.sampling.n, 1)
         call = client.open_call(request, timeout, tracing.outgoing_metadata())
         first_token_ns = None
         try:
@@ -86,8 +88,9 @@ class LLMService(Service):
                 items = [await call.queue.get()]
                 while not call.queue.empty():  # behind the engine: what has piled up, as one message per choice
                     items.append(call.queue.get_nowait())
-                if isinstance(items[0], CallFailed):
-                    raise_error(items[0].error)
+                for item in items:  # refused while its first choices were already running (n > 1)
+                    if isinstance(item, CallFailed):
+                        raise_error(item.error)
                 if first_token_ns is None:
                     first_token_ns = tracing.now_ns()
                     _queue_and_prefill_spans(open_at, items[0][6], first_token_ns)
@@ -109,11 +112,14 @@ def _queue_and_prefill_spans(open_at: tuple[int, float], extra: dict | None, fir
     """llm.queue (added to the engine -> first in a step) and llm.prefill (-> first token). The engine marks
     both with time.perf_counter (one clock for the service's processes); spans take wall-clock ns, so the
     marks are placed relative to the call's opening."""
-    if not extra or extra.get("scheduled_at") is None:  # ended before any step (kept whole)
-        return
     open_ns, open_perf = open_at
-    added_ns = max(open_ns, open_ns + int((extra["arrival"] - open_perf) * 1e9))
-    scheduled_ns = min(first_token_ns, max(added_ns, open_ns + int((extra["scheduled_at"] - open_perf) * 1e9)))
+    extra = extra or {}
+    arrival = extra.get("arrival")
+    added_ns = open_ns if arrival is None else max(open_ns, open_ns + int((arrival - open_perf) * 1e9))
+    if extra.get("scheduled_at") is None:  # ended before any step: queued until then, no prefill
+        scheduled_ns = first_token_ns
+    else:
+        scheduled_ns = min(first_token_ns, max(added_ns, open_ns + int((extra["scheduled_at"] - open_perf) * 1e9)))
     tracing.timed_span("llm.queue", added_ns, scheduled_ns)
     tracing.timed_span("llm.prefill", scheduled_ns, first_token_ns)
 
