@@ -295,6 +295,7 @@ for name in "$@"; do
             step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf
             step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf --no-gemv
             step serve-final 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
+        serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
 done
