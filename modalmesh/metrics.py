@@ -315,9 +315,9 @@ class Metrics:
 
     def fold_in(self, fetch: Callable[[], list]) -> None:
         """Show another process's registry (same schema) in this one's scrapes: `fetch` returns its metric families
-        (`registry.collect()`, pickled across: no text round trip, which would split each `_created` sample
-        into a family of its own), called at each scrape from the exporter's thread (the LLM's edge asks its
-        engine process)."""
+        as `plain_families` made them there (not exposition text, whose parser would split each `_created`
+        sample into a family of its own), called at each scrape from the exporter's thread (the LLM's edge asks
+        its engine process)."""
         self._folded = fetch
 
     def collect(self):
@@ -326,11 +326,11 @@ class Metrics:
         if fetch is None:
             return self.registry.collect()
         try:
-            theirs = fetch()
+            theirs = families_from_plain(fetch())
         except Exception as exc:  # noqa: BLE001 - a scrape while that process stops: this process's alone
             log.debug("metrics of the folded-in process unavailable: %s", exc)
             return self.registry.collect()
-        return merge_families(list(self.registry.collect()), list(theirs))
+        return merge_families(list(self.registry.collect()), theirs)
 
     def restricted_registry(self, names):
         """A scrape asking for some series only (`?name[]=...`), as prometheus_client's registries answer it."""
@@ -365,6 +365,24 @@ class Metrics:
 # How one service's processes add up: counters, histograms and most gauges sum (tokens, bytes, memory,
 # CPU seconds, pauses); info gauges are 1 wherever set; these few are not amounts.
 _MERGE_MIN = frozenset({"process_start_time_seconds", "process_max_fds"})
+
+
+def plain_families(registry: CollectorRegistry) -> list:
+    """A registry's metric families as plain lists, for another process (`Metrics.fold_in`, `families_from_plain`)."""
+    return [[f.name, f.documentation, f.type, f.unit, [[s.name, s.labels, s.value] for s in f.samples]]
+            for f in registry.collect()]
+
+
+def families_from_plain(plain) -> list:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.samples import Sample
+
+    families = []
+    for name, documentation, kind, unit, samples in plain:
+        family = Metric(name, documentation, kind, unit)
+        family.samples = [Sample(sample, dict(labels), value) for sample, labels, value in samples]
+        families.append(family)
+    return families
 
 
 def merge_families(ours: list, theirs: list) -> list:

@@ -188,16 +188,25 @@ def test_decoder_with_gemv_equals_the_decoder_without(device, tmp_path, monkeypa
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
+def _compiles_for_nvidia() -> bool:
+    """Triton with its NVIDIA backend and the ptxas it ships (what compiling for sm_90 without a GPU needs)."""
+    if not kernels.triton_importable() or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter compiles nothing
+        return False
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    return spec is not None and os.path.exists(os.path.join(os.path.dirname(spec.origin), "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _compiles_for_nvidia(), reason="needs Triton's NVIDIA backend and its ptxas, not the interpreter")
 def test_every_candidate_compiles_for_sm90_and_prefetches():
     """On the host, no GPU: the launch configs build for an H100/H200 (a bad one fails here, not on the device),
     and num_stages > 1 turns the weight loads into cp.async prefetches (a loop without tl.dot is pipelined only
     through tl.range's num_stages)."""
-    triton = pytest.importorskip("triton")
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the interpreter does not compile")
     fn = gemv_kernels._kernel()
     sig = {name: "*bf16" for name in ("X", "W", "B", "Out")} | {name: "i32" for name in
                                                              ("N", "K", "stride_x", "stride_w", "stride_o")}
@@ -206,13 +215,8 @@ def test_every_candidate_compiles_for_sm90_and_prefetches():
                           NUM_STAGES=config.num_stages)
         src = ASTSource(fn, sig | {name: "constexpr" for name in constexprs}, constexprs,
                         {(i,): [["tt.divisibility", 16]] for i in range(9)})
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-        except RuntimeError as e:  # no CUDA backend / ptxas in this Triton
-            if "ptxas" in str(e) or "backend" in str(e).lower():
-                pytest.skip(str(e))
-            raise
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
         assert ("cp.async" in compiled.asm["ptx"]) == (config.num_stages > 1), config
 
 

@@ -23,8 +23,8 @@ from modalmesh.testing import tiny
 from services.llm.core import LinkSink
 from services.llm.engine import LLMEngine, SinkEmitter
 from services.llm.inputs import PreparedPrompt
-from services.llm.link import (CallFailed, FrameReader, FrameSender, StepDeltas, error_info, raise_error,
-                               socket_pair)
+from services.llm.link import (MESSAGES, CallFailed, FrameReader, FrameSender, GenerateCall, StepDeltas, decode,
+                               encode, error_info, raise_error, socket_pair)
 from services.llm.request import Delta
 from services.llm.sampling import SamplingParams
 from services.llm.server import _response
@@ -35,6 +35,7 @@ def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads
     edge, engine = socket_pair()
     sender = FrameSender(engine)
     big = bytes(range(256)) * 40_000  # 10 MB: past the socket buffers, so the sender blocks on the reader
+    big_call = GenerateCall(9, big, 1.5, (("x-request-id", "r1"),))
 
     def engine_thread():
         for i in range(200):
@@ -43,7 +44,7 @@ def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads
     async def main():
         reader = await FrameReader.open(edge)
         threads = [threading.Thread(target=engine_thread),  # and a large one meanwhile: frames interleave, never mix
-                   threading.Thread(target=sender.send, args=(("big", big),))]
+                   threading.Thread(target=sender.send, args=(big_call,))]
         for t in threads:
             t.start()
         got = [await reader.recv() for _ in range(201)]
@@ -55,9 +56,34 @@ def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads
     got, after_close = asyncio.run(main())
     steps = [m.rows[0][0] for m in got if isinstance(m, StepDeltas)]
     assert steps == list(range(200))
-    assert [m for m in got if not isinstance(m, StepDeltas)] == [("big", big)]
+    assert [m for m in got if not isinstance(m, StepDeltas)] == [big_call]
+    assert got[0].rows[0][3] == "0" and isinstance(got[0].rows[0][2][0], int)  # fields come back as they went
     assert after_close is None
     assert sender.send(StepDeltas([])) is False  # a send after the close is dropped, not raised
+
+
+def test_every_message_crosses_as_plain_values_and_comes_back_equal():
+    """msgpack, not pickle: a frame holds data only; each kind of message decodes to what was sent."""
+    from services.llm.link import (Answer, EndCall, ErrorInfo, LoadFailed, Query, Ready, Shutdown, Stopped)
+
+    error = ErrorInfo("INVALID_ARGUMENT", "bad", "InvalidArgument")
+    messages = [GenerateCall(1, b"\x00\x01", None, ()), EndCall(1, True), Query(2, "info"), Shutdown(), Ready(),
+                LoadFailed(error), CallFailed(3, error), StepDeltas([(4, 0, [1, 2], "ab", [-0.5], ("stop", 3, 2, 0),
+                                                                      {"error": error})]),
+                Answer(2, b"info"), Stopped()]
+    assert {type(m) for m in messages} == set(MESSAGES)
+    for message in messages:
+        data = encode(message)
+        assert b"pickle" not in data and data[8:9] != b"\x80"  # no pickle protocol header
+        back = decode(data[8:])
+        assert type(back) is type(message)
+        if isinstance(back, StepDeltas):
+            (row,) = back.rows
+            assert list(row[2]) == [1, 2] and row[3] == "ab" and row[5] == ("stop", 3, 2, 0)
+            with pytest.raises(InvalidArgument, match="bad"):
+                raise_error(row[6]["error"])
+        else:
+            assert back == message
 
 
 def test_errors_keep_their_status_across_the_link():

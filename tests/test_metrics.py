@@ -1,13 +1,14 @@
 """The metric schema: documented, prefixed, labelled by service, and behaving as gauges/counters should."""
 
-import pickle
 import re
+
+import msgpack
 from pathlib import Path
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modalmesh.metrics import SCHEMA, Metrics
+from modalmesh.metrics import SCHEMA, Metrics, plain_families
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
@@ -128,8 +129,8 @@ def test_a_scrape_shows_the_folded_in_process_summed_into_this_one():
     for m in (edge, engine):
         m.set_service_info(model_id="m", version="1", dtype="float32", device="cpu")
         m.gc_pause_seconds.labels(generation=2).observe(0.004)
-    # Pickled as the link carries them.
-    edge.fold_in(lambda: pickle.loads(pickle.dumps(list(engine.registry.collect()))))
+    # As the LLM's link carries them: plain values through msgpack.
+    edge.fold_in(lambda: msgpack.unpackb(msgpack.packb(plain_families(engine.registry)), use_list=False))
     port = edge.start_exporter("127.0.0.1", 0)
     try:
         got = _scrape(port)

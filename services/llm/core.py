@@ -180,7 +180,7 @@ class EngineCore:
 
     def _answer(self, what: str):
         if what == "metrics":
-            return list(self.metrics.registry.collect())
+            return metrics_mod.plain_families(self.metrics.registry)
         return self.info().SerializeToString()
 
     # -- life cycle ------------------------------------------------------------------------------

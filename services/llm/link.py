@@ -9,18 +9,20 @@
 Why a process boundary here: grpc's per-message work on the event loop and the engine thread's
 scheduling and detokenising shared one GIL, and each took about half of it under 256 streams (py-spy
 on the H200, issue 17). The engine process sends one frame per step whatever the batch; the edge
-turns it into each stream's messages. A frame is an 8-byte length and a pickle: both ends are this
-package, and nothing from a client is unpickled (requests cross as their protobuf bytes).
+turns it into each stream's messages. A frame is an 8-byte length and a msgpack array: the message's
+index in `MESSAGES`, then its fields (plain values only: no pickle, so a frame names data, never code;
+requests cross as their protobuf bytes). msgpack is what vLLM's engine-core link uses too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 import socket
 import struct
 import threading
 from typing import Any, NamedTuple
+
+import msgpack
 
 _HEADER = struct.Struct("<Q")
 _BUFFER_BYTES = 4 << 20  # a step's frame (256 sequences) is a few KB; an image request may be MBs
@@ -78,7 +80,7 @@ class StepDeltas(NamedTuple):
 
 class Answer(NamedTuple):
     query_id: int
-    value: Any  # info: the serialized pb.ServiceInfo part; metrics: the registry's metric families
+    value: Any  # info: the serialized pb.ServiceInfo part; metrics: metrics.plain_families
 
 
 class Stopped(NamedTuple):
@@ -110,12 +112,14 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return ErrorInfo(None, str(exc), type(exc).__name__)
 
 
-def raise_error(info: ErrorInfo, during: str = "generation") -> None:
-    """Re-raise an engine-side error on the edge, with the status it had there."""
+def raise_error(info: ErrorInfo | tuple, during: str = "generation") -> None:
+    """Re-raise an engine-side error on the edge, with the status it had there (`info` as sent: a row's
+    "error" arrives as the plain triple)."""
     import grpc
 
     from modalmesh import errors
 
+    info = ErrorInfo(*info)
     if info.status is not None:
         status = grpc.StatusCode[info.status]
         cls = next((c for c in _error_classes(errors.ModalmeshError) if c.status is status), errors.ModalmeshError)
@@ -142,9 +146,22 @@ def socket_pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
+MESSAGES = (GenerateCall, EndCall, Query, Shutdown, Ready, LoadFailed, CallFailed, StepDeltas, Answer, Stopped)
+_TAGS = {cls: tag for tag, cls in enumerate(MESSAGES)}
+_ERROR_FIELD = {LoadFailed, CallFailed}  # their `error` (last field) is an ErrorInfo again once read
+
+
 def encode(message) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = msgpack.packb((_TAGS[type(message)], *message), use_bin_type=True)
     return _HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes):
+    tag, *fields = msgpack.unpackb(payload, raw=False, use_list=False)
+    cls = MESSAGES[tag]
+    if cls in _ERROR_FIELD:
+        fields[-1] = ErrorInfo(*fields[-1])
+    return cls(*fields)
 
 
 class FrameSender:
@@ -199,7 +216,7 @@ class FrameReader:
             payload = await self._reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
-        return pickle.loads(payload)
+        return decode(payload)
 
 
 class FrameWriter:
