@@ -24,6 +24,7 @@ from modalmesh.kernels import gemv as gemv_kernels
 from modalmesh.kernels.gemv import CANDIDATES, MAX_ROWS, GemvConfig, default_config, gemv
 from modalmesh.layers import ColumnParallelLinear, GatedMLP, LinearBase, QKVParallelLinear, RowParallelLinear
 from modalmesh.layers.linear import enable_gemv
+from tests.test_kernels import decode_logits
 
 DEVICES = []
 if kernels.triton_importable() and torch.cuda.is_available():
@@ -147,29 +148,6 @@ def test_row_parallel_with_gemv_adds_the_bias_once_after_the_reduce(monkeypatch)
     torch.testing.assert_close(sum(partial) + b, F.linear(x, w, b))
 
 
-def _decode_logits(model, cfg, device, prompt, steps):
-    """Logits of a prefill of `prompt` and `steps` greedy single-token decode steps, over a fresh paged pool."""
-    from modalmesh.attention import PagedMetadata
-    from modalmesh.kv.pool import build_kv_pool
-    from modalmesh.metrics import Metrics
-
-    pool = build_kv_pool(cfg, device, max_model_len=64, dtype=torch.float32, kv_cache_tokens=64,
-                         metrics=Metrics("llm", process_metrics=False))
-    caches = [pool.layer(i) for i in range(cfg.num_layers)]
-    ids, new, out = list(prompt), list(prompt), []
-    with torch.inference_mode():
-        for _ in range(steps + 1):
-            start = len(ids) - len(new)
-            assert pool.allocate("s", len(ids)) if start == 0 else pool.allocator.extend("s", len(new))
-            meta = PagedMetadata.build([len(new)], [len(ids)], pool.block_table(["s"]), pool.page_size)
-            hidden = model(torch.arange(start, len(ids), device=device), meta, caches,
-                           input_ids=torch.tensor(new, device=device))
-            out.append(model.compute_logits(hidden[-1:]).cpu())
-            new = [int(out[-1].argmax())]
-            ids += new
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_decoder_with_gemv_equals_the_decoder_without(device, tmp_path, monkeypatch):
     """A tiny Qwen2 (q|k|v bias): every projection of a decode step's single row takes the kernel (their inputs
@@ -179,11 +157,11 @@ def test_decoder_with_gemv_equals_the_decoder_without(device, tmp_path, monkeypa
 
     model, cfg, _ = load_llm(tiny.ensure("qwen2", tmp_path), device=torch.device(device), dtype=torch.float32)
     prompt, steps = [5, 77, 301, 12, 9, 250], 2  # the interpreter runs ~4 ms per program: few steps
-    want = _decode_logits(model, cfg, device, prompt, steps)
+    want = decode_logits(model, cfg, device, prompt, steps)
     calls = []
     monkeypatch.setattr(gemv_kernels, "gemv", lambda x, *a, **kw: calls.append(x.shape[0]) or gemv(x, *a, **kw))
     assert enable_gemv(model) == 4 * cfg.num_layers  # qkv, o, gate_up, down; the LM head is not a LinearBase
-    got = _decode_logits(model, cfg, device, prompt, steps)
+    got = decode_logits(model, cfg, device, prompt, steps)
     assert calls == [1] * (4 * cfg.num_layers * steps)
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 

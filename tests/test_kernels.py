@@ -140,13 +140,19 @@ def test_rope_kernel_is_not_used_for_mrope_or_partial_rotary(device):
 
 
 def _logits(path, device, fused, prompt, steps):
-    """Logits of a prefill of `prompt` and `steps` greedy decode steps, over a fresh paged pool."""
-    from modalmesh.attention import PagedMetadata
-    from modalmesh.kv.pool import build_kv_pool
-    from modalmesh.metrics import Metrics
     from services.llm.loader import load_llm
 
     model, cfg, _ = load_llm(path, device=torch.device(device), dtype=torch.float32, fused_kernels=fused)
+    return decode_logits(model, cfg, device, prompt, steps)
+
+
+def decode_logits(model, cfg, device, prompt, steps):
+    """Logits of a prefill of `prompt` and `steps` greedy decode steps, over a fresh paged pool (tests/test_gemv.py
+    too)."""
+    from modalmesh.attention import PagedMetadata
+    from modalmesh.kv.pool import build_kv_pool
+    from modalmesh.metrics import Metrics
+
     pool = build_kv_pool(cfg, device, max_model_len=128, dtype=torch.float32, kv_cache_tokens=256,
                          metrics=Metrics("llm", process_metrics=False))
     caches = [pool.layer(i) for i in range(cfg.num_layers)]

@@ -29,6 +29,7 @@ from services.llm.request import Delta
 from services.llm.sampling import SamplingParams
 from services.llm.server import _response
 from tests.test_llm_engine import ScriptedRunner
+from tests.test_llm_tp import spawned
 
 
 def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads_none():
@@ -174,8 +175,7 @@ def test_if_the_engine_process_dies_while_serving_the_service_exits_1(tmp_path):
     model_dir = tiny.ensure("qwen2", tmp_path)
     proc = _llm(model_dir)
     try:
-        edge, engine = proc.pids()[0], [p for p in proc.pids()[1:]
-                                        if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        edge, engine = proc.pids()[0], spawned(proc)
         assert len(engine) == 1, proc.pids()
         with grpc.insecure_channel(proc.target) as channel:
             stub = pb.llm_pb2_grpc.LLMServiceStub(channel)

@@ -86,16 +86,9 @@ def test_tp2_equals_tp1_and_hf_in_tokens_and_logprobs_and_every_rank_runs_the_na
         assert max(abs(a - b) for a, b in zip(lps2, want)) < 1e-4
 
 
-def _children(pid):
-    """Pids of `pid`'s multiprocessing spawn children and theirs (not resource trackers): the service's engine
-    process, then its rank processes."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                found += [int(child), *_children(int(child))]
-    return found
+def spawned(proc):
+    """The service's multiprocessing spawn processes (not resource trackers): its engine process, then its ranks."""
+    return [pid for pid in proc.pids()[1:] if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def _gone(pid, timeout):
@@ -114,8 +107,8 @@ def _gone(pid, timeout):
 def test_tp2_sigterm_mid_stream_drains_the_stream_and_exits_0_with_its_ranks(ckpts):
     model_dir = tiny.ensure("qwen2", ckpts)
     llm = LLM(model_dir, "--tensor-parallel-size", "2")
-    spawned = _children(llm.proc.proc.pid)
-    assert len(spawned) == 2  # the engine process (rank 0) and rank 1
+    pids = spawned(llm.proc)
+    assert len(pids) == 2  # the engine process (rank 0) and rank 1
     got, first = [], threading.Event()
 
     def stream():
@@ -132,18 +125,18 @@ def test_tp2_sigterm_mid_stream_drains_the_stream_and_exits_0_with_its_ranks(ckp
     assert sum(len(r.token_ids) for r in got) == 150 and got[-1].finish_reason == pb.LENGTH
     llm.channel.close()
     assert llm.proc.proc.wait(timeout=60) == 0
-    assert all(_gone(pid, 10) for pid in spawned)
+    assert all(_gone(pid, 10) for pid in pids)
 
 
 def test_ranks_never_outlive_rank_0(ckpts):
     model_dir = tiny.ensure("qwen2", ckpts)
     llm = LLM(model_dir, "--tensor-parallel-size", "2")
     try:
-        spawned = _children(llm.proc.proc.pid)
-        assert len(spawned) == 2  # the engine process (rank 0) and rank 1
+        pids = spawned(llm.proc)
+        assert len(pids) == 2  # the engine process (rank 0) and rank 1
         os.kill(llm.proc.proc.pid, signal.SIGKILL)
         llm.proc.proc.wait(timeout=30)
-        assert all(_gone(pid, 10) for pid in spawned), "the engine process or rank 1 outlived the service"
+        assert all(_gone(pid, 10) for pid in pids), "the engine process or rank 1 outlived the service"
     finally:
         llm.channel.close()
 
