@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from modalmesh.process import end_multiprocessing
+
 log = logging.getLogger(__name__)
 
 
@@ -195,14 +197,7 @@ def exit_rank(code: int = 0) -> None:
     freeing them then needs the GIL of a dying interpreter and aborts the process
     ("terminate called without an active exception", SIGABRT), which a launcher reads as failure.
     """
-    # multiprocessing's own exit work still runs: a named semaphore (tqdm's lock, made while loading weights)
-    # is unlinked here, or the resource tracker finds it leaked and warns on stderr after we are gone.
-    try:
-        import multiprocessing.util
-
-        multiprocessing.util._run_finalizers(0)
-    except Exception:  # noqa: BLE001 - best effort: the exit itself must happen
-        pass
+    end_multiprocessing()  # multiprocessing's own exit work still runs (os._exit skips it)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

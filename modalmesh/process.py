@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 # Set by the launcher in a child's environment: the pid that child must not outlive.
 PARENT_PID_ENV = "MODALMESH_PARENT_PID"
@@ -43,3 +44,38 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     except (PermissionError, ValueError):
         pass
+
+
+def end_multiprocessing(timeout: float = 5.0) -> None:
+    """multiprocessing's exit work, done before this process ends rather than left to run after it.
+
+    Its finalisers run first: a named semaphore (tqdm's lock, made while loading weights) is unlinked,
+    or the resource tracker finds it leaked and warns on stderr after we are gone. Then, if this process
+    started the resource tracker (the LLM's edge spawns its engine process), the tracker is reaped: left
+    alone it exits only once it reads the end of its pipe, after this process has exited, so a clean stop
+    left a process of ours still running (CI saw it in state R after the service's exit code came back).
+    Bounded: a tracker held open by a child that has not exited yet is left to end by itself.
+    """
+    try:
+        import multiprocessing.util
+        from multiprocessing import resource_tracker
+
+        multiprocessing.util._run_finalizers(0)
+        tracker = resource_tracker._resource_tracker
+        with tracker._lock:
+            fd, pid = tracker._fd, tracker._pid
+            if fd is None or pid is None:  # never started, or started by our parent (its pid is not ours)
+                return
+            tracker._fd = tracker._pid = None
+            os.close(fd)  # its end of file: the tracker cleans up what is still registered and exits
+    except Exception:  # noqa: BLE001 - best effort: the exit itself must happen
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)

@@ -29,7 +29,7 @@ from modalmesh import tracing
 from modalmesh.errors import ConfigError, FailedPrecondition, ModalmeshError, Unavailable
 from modalmesh.flags import DTYPE_NAMES, env_name, service_parser
 from modalmesh.logs import configure_logging
-from modalmesh.process import die_with_parent
+from modalmesh.process import die_with_parent, end_multiprocessing
 from modalmesh.rpc.security import INSECURE, Security
 from modalmesh.rpc.server import FOREVER_MS, BindError, MiB, GrpcServer, ServerConfig, serve_until_signal
 
@@ -184,6 +184,7 @@ def run_process(name: str, parser: argparse.ArgumentParser,
         tracing.stop()  # the spans the batch processor still holds go out before exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    end_multiprocessing()  # nothing of ours (the resource tracker) outlives the exit code
     return code
 
 
