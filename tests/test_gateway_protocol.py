@@ -132,11 +132,17 @@ def test_completion_prompts():
     assert protocol.completion_request({"prompt": ["hi"]}, "r").grpc.text == "hi"
     assert list(protocol.completion_request({"prompt": [1, 2]}, "r").grpc.token_ids.ids) == [1, 2]
     assert list(protocol.completion_request({"prompt": [[3, 4]]}, "r").grpc.token_ids.ids) == [3, 4]
-    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {}, {"prompt": "a", "echo": True, "logprobs": 1},
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {}, {"prompt": [1, 2], "echo": True, "logprobs": 1},
                 {"prompt": [1, 2], "echo": True}, {"prompt": "a", "logprobs": 21}, {"prompt": "a", "best_of": 2},
                 {"prompt": "a", "response_format": {"type": "json_object"}}):
         refused(protocol.completion_request, bad, "r")
     assert protocol.completion_request({"prompt": "ab", "echo": True}, "r").echo == "ab"
+    assert not protocol.completion_request({"prompt": "ab", "echo": True}, "r").grpc.sampling.HasField("prompt_logprobs")
+    # echo with logprobs k: the LLM scores the prompt with k alternatives (or more, for prompt_logprobs)
+    echoed = protocol.completion_request({"prompt": "ab", "echo": True, "logprobs": 3}, "r")
+    assert echoed.grpc.sampling.prompt_logprobs == 3 and echoed.prompt_logprobs is None
+    both = protocol.completion_request({"prompt": "ab", "echo": True, "logprobs": 2, "prompt_logprobs": 5}, "r")
+    assert both.grpc.sampling.prompt_logprobs == 5 and both.prompt_logprobs == 5
     parsed = protocol.completion_request({"prompt": "a", "stream": True, "stream_options": {"include_usage": True}},
                                          "r")
     assert parsed.stream and parsed.include_usage
@@ -148,7 +154,7 @@ REFUSED = {
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "store": True,
     "reasoning_effort": "low", "verbosity": "low", "service_tier": "flex", "functions": [{"name": "f"}],
     "function_call": "auto", "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True,
-    "prompt_logprobs": 1, "allowed_token_ids": [1], "bad_words": ["x"], "truncate_prompt_tokens": 5,
+    "allowed_token_ids": [1], "bad_words": ["x"], "truncate_prompt_tokens": 5,
     "spaces_between_special_tokens": False, "logits_processors": ["x"], "guided_decoding_backend": "outlines",
     "guided_whitespace_pattern": " ", "structural_tag": "x", "documents": [{"t": 1}],
     "mm_processor_kwargs": {"max_pixels": 5}, "return_tokens_as_token_ids": True, "return_token_ids": True,
@@ -341,3 +347,53 @@ def test_the_gateway_refuses_to_start_without_a_backend():
     result = subprocess.run([sys.executable, "-m", "services.gateway", "--port", "0"], capture_output=True,
                             text=True, timeout=60, env=env)
     assert result.returncode == 2 and "--llm" in result.stderr
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_prompt_logprobs_are_taken_in_range_and_never_streamed(route):
+    parse = ((lambda extra: protocol.chat_request(chat("x", **extra), LIMITS, "r")) if route == "chat" else
+             (lambda extra: protocol.completion_request({"prompt": "x", **extra}, "r")))
+    for k in (0, 20):
+        parsed = parse({"prompt_logprobs": k})
+        assert parsed.grpc.sampling.prompt_logprobs == k and parsed.prompt_logprobs == k
+    assert not parse({}).grpc.sampling.HasField("prompt_logprobs") and parse({}).prompt_logprobs is None
+    for bad in ({"prompt_logprobs": -1}, {"prompt_logprobs": 21}, {"prompt_logprobs": "2"},
+                {"prompt_logprobs": 1, "stream": True}):
+        assert refused(parse, bad).param == "prompt_logprobs"
+
+
+def _prompt_message(**kw) -> pb.GenerateResponse:
+    """A choice's first message carrying the LLM's scores of a three-token prompt."""
+    return pb.GenerateResponse(token_ids=[9], text="!", logprobs=[-0.5], tokens=["!"], **kw,
+                               prompt_logprobs=pb.PromptLogprobs(
+                                   token_ids=[4, 5, 6], tokens=["a", "b", "c"], logprobs=[-1.0, -2.0], ranks=[1, 7],
+                                   top=[pb.TopLogprobs(token_ids=[5, 8], logprobs=[-1.0, -1.5], tokens=["b", "x"]),
+                                        pb.TopLogprobs(token_ids=[8, 2], logprobs=[-0.125, -0.25], tokens=["x", "y"])]))
+
+
+def test_echo_with_logprobs_leads_with_the_prompts_scored_tokens():
+    acc = protocol.Accumulator("completion", logprobs=True, top_logprobs=1, echo="abc")
+    text, lp = acc.add(_prompt_message(top_logprobs=[pb.TopLogprobs(token_ids=[9], logprobs=[-0.5], tokens=["!"])]))
+    assert text == "abc!"  # streamed: the echo goes out with the first message's scores
+    assert lp["tokens"] == ["a", "b", "c", "!"] and lp["token_logprobs"] == [None, -1.0, -2.0, -0.5]
+    assert lp["top_logprobs"] == [None, {"b": -1.0}, {"x": -0.125}, {"!": -0.5}]
+    assert lp["text_offset"] == [0, 1, 2, 3]
+    acc.add(pb.GenerateResponse(token_ids=[7], text="?", logprobs=[-0.25], tokens=["?"], finish_reason=pb.LENGTH,
+                                top_logprobs=[pb.TopLogprobs(token_ids=[7], logprobs=[-0.25], tokens=["?"])]))
+    full = acc.full_logprobs()
+    assert "".join(acc.text) == "abc!?" and full["tokens"] == ["a", "b", "c", "!", "?"]
+    assert full["token_logprobs"] == [None, -1.0, -2.0, -0.5, -0.25] and full["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_vllm_prompt_logprobs_hold_each_token_and_its_top_k_by_id():
+    acc = protocol.Accumulator("completion", logprobs=False, prompt_logprobs=1)
+    text, lp = acc.add(_prompt_message())
+    assert text == "!" and lp is None
+    assert acc.vllm_prompt_logprobs() == [
+        None,
+        {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "b"}},  # the token is its own top 1
+        {"6": {"logprob": -2.0, "rank": 7, "decoded_token": "c"}, "8": {"logprob": -0.125, "rank": 1,
+                                                                        "decoded_token": "x"}},
+    ]
+    body = protocol.completion_body("chat", "r", "m", protocol.Accumulator("chat", False, prompt_logprobs=0), None)
+    assert body["prompt_logprobs"] is None  # asked, but no message came: nothing to show

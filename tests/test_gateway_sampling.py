@@ -193,6 +193,66 @@ def test_completions_echo_prepends_the_prompt(stack):
     assert streamed == echoed.choices[0].text
 
 
+def _hf_prompt_logprobs(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)  # row p scores token p + 1
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt_as_hf_does(stack, hf):
+    model, tok = hf
+    ids = tok(PROMPT)["input_ids"]
+    ref = _hf_prompt_logprobs(model, ids)
+    c = client(stack)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0.0, logprobs=2, echo=True)
+    r = c.completions.create(**kwargs)
+    plain = c.completions.create(**{**kwargs, "echo": False})
+    lp, n = r.choices[0].logprobs, len(ids)
+    assert r.choices[0].text == PROMPT + plain.choices[0].text
+    assert lp.tokens[:n] == [tok.decode([t]) for t in ids] and lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has nothing before it
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:n]), want, atol=1e-4, rtol=0)
+    for p in range(1, n):
+        top = ref[p - 1].topk(2)
+        expected = dict(zip((tok.decode([t]) for t in top.indices.tolist()), top.values.tolist()))
+        assert lp.top_logprobs[p] == pytest.approx(expected, abs=1e-4)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-6)
+    assert lp.text_offset[n] == len(PROMPT)
+    # Streamed: the echo and its scores come in the first chunk; the chunks add up to the same answer.
+    chunks = [ch.choices[0] for ch in c.completions.create(**kwargs, stream=True) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == r.choices[0].text
+    streamed = [v for ch in chunks if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6) and chunks[0].text.startswith(PROMPT)
+
+
+def test_vllm_prompt_logprobs_on_chat_and_completions(stack, hf):
+    model, tok = hf
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ref = _hf_prompt_logprobs(model, ids)
+    c = client(stack)
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0.0,
+                                     extra_body={"prompt_logprobs": 1})
+    scores = chat.model_extra["prompt_logprobs"]
+    assert len(scores) == len(ids) and scores[0] is None
+    for p, entry in enumerate(scores[1:]):
+        mine = entry[str(ids[p + 1])]
+        assert mine["logprob"] == pytest.approx(ref[p, ids[p + 1]].item(), abs=1e-4)
+        value = ref[p, ids[p + 1]]  # rank: how many are at least as likely (float noise may reorder near-ties)
+        assert int((ref[p] > value + 1e-4).sum()) < mine["rank"] <= int((ref[p] >= value - 1e-4).sum())
+        best = int(ref[p].argmax())
+        assert entry[str(best)]["logprob"] == pytest.approx(ref[p, best].item(), abs=1e-4)
+        assert entry[str(best)]["rank"] == 1 and len(entry) <= 2
+    done = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0.0,
+                                extra_body={"prompt_logprobs": 0})
+    prompt_ids = tok(PROMPT)["input_ids"]
+    got = done.choices[0].model_extra["prompt_logprobs"]
+    assert [None if e is None else list(e) for e in got] == [None] + [[str(t)] for t in prompt_ids[1:]]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in err.value.message
+
+
 # ---- min_tokens, min_p, include_stop_str_in_output ---------------------------------------------------------
 def test_min_tokens_holds_eos_back(stack, hf):
     _, tok = hf
@@ -289,7 +349,7 @@ def test_a_spec_xgrammar_cannot_compile_is_a_400_naming_it_and_the_stack_stays_u
 
 
 @pytest.mark.parametrize("extra", [{"guided_decoding_backend": "outlines"}, {"chat_template": "{{ x }}"},
-                                   {"prompt_logprobs": 1}, {"use_beam_search": True}])
+                                   {"prompt_logprobs": 21}, {"use_beam_search": True}])
 def test_unsupported_fields_are_400_through_the_client(stack, extra):
     with pytest.raises(openai.BadRequestError) as err:
         client(stack).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],

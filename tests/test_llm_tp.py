@@ -57,17 +57,26 @@ def _with_logprobs(llm, text, n):
     return ids, lps
 
 
+def _prompt_scores(llm, text):
+    """(prompt ids, each later token's logprob, its top-2 logprobs) from the first message of a scored call."""
+    first = list(llm.stub.Generate(pb.GenerateRequest(text=text, sampling=greedy(2, prompt_logprobs=2)),
+                                   timeout=120))[0]
+    p = first.prompt_logprobs
+    return list(p.token_ids), list(p.logprobs), [list(t.logprobs) for t in p.top]
+
+
 def test_tp2_equals_tp1_and_hf_in_tokens_and_logprobs_and_every_rank_runs_the_named_backend(ckpts):
     from transformers import AutoTokenizer
 
     model_dir = tiny.ensure("qwen2", ckpts)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    runs, choices = {}, {}
+    runs, choices, scored = {}, {}, {}
     for tp in (1, 2):
         llm = LLM(model_dir, "--tensor-parallel-size", str(tp), "--max-batch-tokens", "16",
                   "--attention-backend", "llm=sdpa_math")
         try:
             runs[tp] = _generate_all(llm, 10)
+            scored[tp] = _prompt_scores(llm, PROMPTS[0] * 5)  # prompt chunks of 16 tokens, scored on every rank
             info = llm.stub.Info(pb.InfoRequest(), timeout=10)
             choices[tp] = sorted((c.rank, c.component, c.backend) for c in info.attention)
             assert info.extra["tensor_parallel_size"] == str(tp)
@@ -84,6 +93,19 @@ def test_tp2_equals_tp1_and_hf_in_tokens_and_logprobs_and_every_rank_runs_the_na
         want = _hf_logprobs(model_dir, prompt_ids, ids1)
         assert max(abs(a - b) for a, b in zip(lps1, want)) < 1e-4
         assert max(abs(a - b) for a, b in zip(lps2, want)) < 1e-4
+    # Prompt logprobs through the service: the prompt's tokens scored as HF scores them, alike at TP 1 and 2.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tok(PROMPTS[0] * 5)["input_ids"]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    for tp in (1, 2):
+        got_ids, values, tops = scored[tp]
+        assert got_ids == ids and len(ids) > 32
+        torch.testing.assert_close(torch.tensor(values), ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(tops), ref.topk(2).values, atol=1e-4, rtol=0)
 
 
 def spawned(proc):
@@ -163,6 +185,10 @@ def _steps():
                    sample_rows=torch.tensor([0, 4]), slot_mapping=torch.tensor([41, 48, 49, 50, 51, 16, 16, 16]),
                    graph_tokens=8, token_seq=torch.tensor([0, 1, 1, 1, 1, 0, 0, 0]),
                    token_ctx=torch.tensor([10, 1, 2, 3, 4, 0, 0, 0])),
+        # prompt logprobs: rows 0-4 of a 6-token prompt score tokens 1-5, with 3 alternatives each
+        StepInputs(input_ids=torch.tensor([11, 12, 13, 14, 15, 16]), positions=torch.arange(6), query_lens=(6,),
+                   context_lens=(6,), block_table=torch.tensor([[1, 2]]), sample_rows=torch.tensor([5]),
+                   scored_rows=torch.arange(5), scored_targets=torch.tensor([12, 13, 14, 15, 16]), scored_top=3),
         # ids not known on the host yet: rows 0 and 2 of the previous step's 3 sampled tokens
         StepInputs(input_ids=torch.tensor([-1, 8, -1]), positions=torch.tensor([3, 9, 4]),
                    query_lens=(1, 1, 1), context_lens=(4, 10, 5), block_table=torch.tensor([[5], [6], [7]]),

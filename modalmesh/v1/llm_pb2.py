@@ -26,7 +26,7 @@ from modalmesh.v1 import common_pb2 as modalmesh_dot_v1_dot_common__pb2
 from modalmesh.v1 import encoder_pb2 as modalmesh_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16modalmesh/v1/llm.proto\x12\x0cmodalmesh.v1\x1a\x19modalmesh/v1/common.proto\x1a\x1amodalmesh/v1/encoder.proto\"\xdd\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.modalmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\t\n\x01n\x18\x13 \x01(\x05\x12\x32\n\nstructured\x18\x14 \x01(\x0b\x32\x1e.modalmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_p\"\xad\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.modalmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x13\n\ttool_call\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9d\x01\n\x0eMultimodalItem\x12(\n\x08modality\x18\x01 \x01(\x0e\x32\x16.modalmesh.v1.Modality\x12)\n\x05input\x18\x02 \x01(\x0b\x32\x18.modalmesh.v1.EncodeItemH\x00\x12,\n\tembedding\x18\x03 \x01(\x0b\x32\x17.modalmesh.v1.EmbeddingH\x00\x42\x08\n\x06source\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"S\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04item\x18\x02 \x01(\x0b\x32\x1c.modalmesh.v1.MultimodalItemH\x00\x42\x06\n\x04part\"\x97\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12*\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x19.modalmesh.v1.ContentPart\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.modalmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xc3\x01\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.modalmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05tools\x18\x03 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.modalmesh.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.modalmesh.v1.ChatH\x00\x12+\n\x05items\x18\x05 \x03(\x0b\x32\x1c.modalmesh.v1.MultimodalItem\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.modalmesh.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xec\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.modalmesh.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.modalmesh.v1.Usage\x12/\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x19.modalmesh.v1.TopLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x0e\n\x06tokens\x18\x08 \x03(\t\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\x97\x01\n\nLLMService\x12K\n\x08Generate\x12\x1d.modalmesh.v1.GenerateRequest\x1a\x1e.modalmesh.v1.GenerateResponse0\x01\x12<\n\x04Info\x12\x19.modalmesh.v1.InfoRequest\x1a\x19.modalmesh.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16modalmesh/v1/llm.proto\x12\x0cmodalmesh.v1\x1a\x19modalmesh/v1/common.proto\x1a\x1amodalmesh/v1/encoder.proto\"\x8f\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x06\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.modalmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\t\n\x01n\x18\x13 \x01(\x05\x12\x32\n\nstructured\x18\x14 \x01(\x0b\x32\x1e.modalmesh.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x08\n\x06_min_pB\x12\n\x10_prompt_logprobs\"\xad\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.modalmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x13\n\ttool_call\x18\x06 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x9d\x01\n\x0eMultimodalItem\x12(\n\x08modality\x18\x01 \x01(\x0e\x32\x16.modalmesh.v1.Modality\x12)\n\x05input\x18\x02 \x01(\x0b\x32\x18.modalmesh.v1.EncodeItemH\x00\x12,\n\tembedding\x18\x03 \x01(\x0b\x32\x17.modalmesh.v1.EmbeddingH\x00\x42\x08\n\x06source\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"S\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04item\x18\x02 \x01(\x0b\x32\x1c.modalmesh.v1.MultimodalItemH\x00\x42\x06\n\x04part\"\x97\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12*\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x19.modalmesh.v1.ContentPart\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.modalmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xc3\x01\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.modalmesh.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\r\n\x05tools\x18\x03 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.modalmesh.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x12.modalmesh.v1.ChatH\x00\x12+\n\x05items\x18\x05 \x03(\x0b\x32\x1c.modalmesh.v1.MultimodalItem\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.modalmesh.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xa3\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.modalmesh.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.modalmesh.v1.Usage\x12/\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x19.modalmesh.v1.TopLogprobs\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x0e\n\x06tokens\x18\x08 \x03(\t\x12\x35\n\x0fprompt_logprobs\x18\t \x01(\x0b\x32\x1c.modalmesh.v1.PromptLogprobs\"|\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\x05\x12&\n\x03top\x18\x05 \x03(\x0b\x32\x19.modalmesh.v1.TopLogprobs\"B\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06tokens\x18\x03 \x03(\t*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\x97\x01\n\nLLMService\x12K\n\x08Generate\x12\x1d.modalmesh.v1.GenerateRequest\x1a\x1e.modalmesh.v1.GenerateResponse0\x01\x12<\n\x04Info\x12\x19.modalmesh.v1.InfoRequest\x1a\x19.modalmesh.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,36 +35,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2346
-  _globals['_FINISHREASON']._serialized_end=2424
+  _globals['_FINISHREASON']._serialized_start=2577
+  _globals['_FINISHREASON']._serialized_end=2655
   _globals['_SAMPLINGPARAMS']._serialized_start=96
-  _globals['_SAMPLINGPARAMS']._serialized_end=829
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=646
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=694
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=832
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1005
-  _globals['_CHOICELIST']._serialized_start=1007
-  _globals['_CHOICELIST']._serialized_end=1036
-  _globals['_MULTIMODALITEM']._serialized_start=1039
-  _globals['_MULTIMODALITEM']._serialized_end=1196
-  _globals['_TOKENIDS']._serialized_start=1198
-  _globals['_TOKENIDS']._serialized_end=1221
-  _globals['_CONTENTPART']._serialized_start=1223
-  _globals['_CONTENTPART']._serialized_end=1306
-  _globals['_CHATMESSAGE']._serialized_start=1309
-  _globals['_CHATMESSAGE']._serialized_end=1460
-  _globals['_TOOLCALL']._serialized_start=1462
-  _globals['_TOOLCALL']._serialized_end=1517
-  _globals['_CHAT']._serialized_start=1520
-  _globals['_CHAT']._serialized_end=1715
-  _globals['_GENERATEREQUEST']._serialized_start=1718
-  _globals['_GENERATEREQUEST']._serialized_end=1955
-  _globals['_USAGE']._serialized_start=1957
-  _globals['_USAGE']._serialized_end=2037
-  _globals['_GENERATERESPONSE']._serialized_start=2040
-  _globals['_GENERATERESPONSE']._serialized_end=2276
-  _globals['_TOPLOGPROBS']._serialized_start=2278
-  _globals['_TOPLOGPROBS']._serialized_end=2344
-  _globals['_LLMSERVICE']._serialized_start=2427
-  _globals['_LLMSERVICE']._serialized_end=2578
+  _globals['_SAMPLINGPARAMS']._serialized_end=879
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=676
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=724
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=882
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1055
+  _globals['_CHOICELIST']._serialized_start=1057
+  _globals['_CHOICELIST']._serialized_end=1086
+  _globals['_MULTIMODALITEM']._serialized_start=1089
+  _globals['_MULTIMODALITEM']._serialized_end=1246
+  _globals['_TOKENIDS']._serialized_start=1248
+  _globals['_TOKENIDS']._serialized_end=1271
+  _globals['_CONTENTPART']._serialized_start=1273
+  _globals['_CONTENTPART']._serialized_end=1356
+  _globals['_CHATMESSAGE']._serialized_start=1359
+  _globals['_CHATMESSAGE']._serialized_end=1510
+  _globals['_TOOLCALL']._serialized_start=1512
+  _globals['_TOOLCALL']._serialized_end=1567
+  _globals['_CHAT']._serialized_start=1570
+  _globals['_CHAT']._serialized_end=1765
+  _globals['_GENERATEREQUEST']._serialized_start=1768
+  _globals['_GENERATEREQUEST']._serialized_end=2005
+  _globals['_USAGE']._serialized_start=2007
+  _globals['_USAGE']._serialized_end=2087
+  _globals['_GENERATERESPONSE']._serialized_start=2090
+  _globals['_GENERATERESPONSE']._serialized_end=2381
+  _globals['_PROMPTLOGPROBS']._serialized_start=2383
+  _globals['_PROMPTLOGPROBS']._serialized_end=2507
+  _globals['_TOPLOGPROBS']._serialized_start=2509
+  _globals['_TOPLOGPROBS']._serialized_end=2575
+  _globals['_LLMSERVICE']._serialized_start=2658
+  _globals['_LLMSERVICE']._serialized_end=2809
 # @@protoc_insertion_point(module_scope)

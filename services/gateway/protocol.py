@@ -59,6 +59,7 @@ class ParsedRequest:
     item_params: list[str] = field(default_factory=list)  # request path of each image / audio, in order
     top_logprobs: int = 0  # alternatives per token in the response
     echo: str = ""  # completions with echo: the prompt text, before each choice's text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token in the response
     tools: tools_mod.ToolRequest | None = None  # chat with tools: answers are parsed for tool calls
     fetches: list[MediaFetch] = field(default_factory=list)  # http(s) images still to fetch (Gateway._fetch_media)
 
@@ -84,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((False,), "no beam search"),
     "length_penalty": ((1, 1.0), "no beam search"),
     "early_stopping": ((False,), "no beam search"),
-    "prompt_logprobs": ((), "no prompt logprobs yet"),
     "allowed_token_ids": ((), "use logit_bias"),
     "bad_words": (([],), "no bad-words filter"),
     "truncate_prompt_tokens": ((), "prompts are never truncated"),
@@ -167,6 +167,7 @@ def _unsupported(key: str, why: str) -> None:
 # ---- sampling -------------------------------------------------------------------------------------
 MAX_N = 16  # the LLM's limit (services/llm/sampling.py)
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20  # the LLM's limit; vLLM's -1 (the whole vocabulary) is not taken
 
 
 def _logit_bias(body: dict) -> dict[int, float]:
@@ -250,6 +251,10 @@ def sampling_params(body: dict, *, chat: bool) -> pb.SamplingParams:
         lp = _integer(body, "logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
         s.logprobs = 1 if lp is not None else 0
         s.top_logprobs = lp or 0
+    if (pl := _integer(body, "prompt_logprobs", minimum=0, maximum=MAX_PROMPT_LOGPROBS)) is not None:
+        if _boolean(body, "stream"):  # vLLM's rule: they come whole, in the response body
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        s.prompt_logprobs = pl
     structured = structured_output(body)
     if structured is not None:
         s.structured.CopyFrom(structured)
@@ -456,7 +461,7 @@ def chat_request(body: dict, limits: Limits, request_id: str) -> ParsedRequest:
     grpc_request = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
     return ParsedRequest("chat", requested_model(body), grpc_request, stream, include_usage, sampling.logprobs > 0,
                          item_params, sampling.top_logprobs, tools=tool_req if tool_req and tool_req.parse else None,
-                         fetches=fetches)
+                         fetches=fetches, prompt_logprobs=_prompt_logprobs(sampling))
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------
@@ -483,14 +488,19 @@ def completion_request(body: dict, request_id: str) -> ParsedRequest:
     stream, include_usage = _stream_options(body)
     req.sampling.CopyFrom(sampling_params(body, chat=False))
     echo = ""
+    asked = _prompt_logprobs(req.sampling)
     if _boolean(body, "echo"):
-        if req.sampling.logprobs:
-            _unsupported("echo", "echo with logprobs needs prompt logprobs, which the LLM does not compute yet")
         if not req.HasField("text"):
             _unsupported("echo", "echo needs a text prompt (the gateway has no tokenizer to show token ids as text)")
         echo = req.text
+        if req.sampling.logprobs:  # the prompt's tokens lead the choice's logprobs, scored by the LLM
+            req.sampling.prompt_logprobs = max(req.sampling.top_logprobs, asked or 0)
     return ParsedRequest("completion", requested_model(body), req, stream, include_usage, req.sampling.logprobs > 0,
-                         top_logprobs=req.sampling.top_logprobs, echo=echo)
+                         top_logprobs=req.sampling.top_logprobs, echo=echo, prompt_logprobs=asked)
+
+
+def _prompt_logprobs(sampling: pb.SamplingParams) -> int | None:
+    return sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -526,62 +536,88 @@ class Accumulator:
     logprobs: bool
     top_logprobs: int = 0  # alternatives per token the client asked for
     echo: str = ""  # completions' echo: the prompt, before the generated text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token, when asked
     text: list[str] = field(default_factory=list)
     chat_logprobs: list[dict] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    completion_top: list[dict] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    completion_top: list[dict | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict | None = None
+    prompt: pb.PromptLogprobs | None = None  # the LLM's scores of the prompt (its first message's)
     _chars: int = 0
+    _echo_pending: bool = False  # echo with logprobs: the prompt's entries come with the first message
 
     def __post_init__(self):
         if self.echo:
             self.text.append(self.echo)
             self._chars = len(self.echo)
+            self._echo_pending = self.logprobs
 
     def _alternatives(self, delta: pb.GenerateResponse, n: int) -> list[list[tuple[str, float]]]:
         out = []
         for j in range(n):
             if j < len(delta.top_logprobs) and self.top_logprobs:
-                top = delta.top_logprobs[j]
-                strings = list(top.tokens) if len(top.tokens) == len(top.token_ids) else [
-                    f"token_id:{t}" for t in top.token_ids]
-                out.append(list(zip(strings, top.logprobs))[:self.top_logprobs])
+                out.append(_top_pairs(delta.top_logprobs[j], self.top_logprobs))
             else:
                 out.append([])
         return out
 
+    def _echoed_prompt(self) -> tuple[list[str], list[float | None], list[dict | None], list[int]]:
+        """Completions' echo with logprobs: the prompt's tokens as the choice's first entries, the first
+        token unscored (None), as OpenAI and vLLM show it; offsets count each token's text."""
+        p = self.prompt
+        if p is None:  # the request ended before its first token: no scores came
+            return [], [], [], []
+        strings = list(p.tokens) if len(p.tokens) == len(p.token_ids) else [f"token_id:{t}" for t in p.token_ids]
+        values = [None, *p.logprobs]
+        top = [None, *(dict(_top_pairs(t, self.top_logprobs)) for t in p.top)] if self.top_logprobs else None
+        offsets, at = [], 0
+        for token in strings:
+            offsets.append(at)
+            at += len(token)
+        return strings, values, top or [], offsets
+
     def add(self, delta: pb.GenerateResponse) -> tuple[str, dict | None]:
         """Fold one delta in; returns its text and its logprobs in the response's format (or None)."""
+        if delta.HasField("prompt_logprobs") and self.prompt is None:
+            self.prompt = delta.prompt_logprobs
         self.text.append(delta.text)
-        lp = None
+        text, lp = delta.text, None
+        strings, values, top, offsets = [], [], [], []
+        if self._echo_pending:  # echo with logprobs: the prompt leads the first message, with its scores
+            self._echo_pending = False
+            text = self.echo + delta.text
+            strings, values, top, offsets = self._echoed_prompt()
         if self.logprobs and delta.token_ids:
-            strings = token_strings(delta)
-            values = list(delta.logprobs) + [None] * (len(strings) - len(delta.logprobs))
-            alternatives = self._alternatives(delta, len(strings))
+            generated = token_strings(delta)
+            alternatives = self._alternatives(delta, len(generated))
             if self.kind == "chat":
+                chat_values = list(delta.logprobs) + [None] * (len(generated) - len(delta.logprobs))
                 content = [{"token": s, "logprob": v, "bytes": list(s.encode()),
                             "top_logprobs": [{"token": a, "logprob": av, "bytes": list(a.encode())} for a, av in alts]}
-                           for s, v, alts in zip(strings, values, alternatives)]
+                           for s, v, alts in zip(generated, chat_values, alternatives)]
                 self.chat_logprobs += content
                 lp = {"content": content, "refusal": None}
             else:
-                offsets = [self._chars] * len(strings)
-                self.tokens += strings
-                self.token_logprobs += values
-                self.text_offset += offsets
-                top = None
-                if self.top_logprobs:  # OpenAI's shape: per position, {token text: logprob}
-                    top = [dict(alts) for alts in alternatives]
-                    self.completion_top += top
-                lp = {"tokens": strings, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
+                strings += generated
+                values += list(delta.logprobs) + [None] * (len(generated) - len(delta.logprobs))
+                offsets += [self._chars] * len(generated)
+                top += [dict(alts) for alts in alternatives]  # OpenAI's shape: per position, {token text: logprob}
+        if self.kind != "chat" and strings:
+            self.tokens += strings
+            self.token_logprobs += values
+            self.text_offset += offsets
+            if self.top_logprobs:
+                self.completion_top += top
+            lp = {"tokens": strings, "token_logprobs": values, "top_logprobs": top if self.top_logprobs else None,
+                  "text_offset": offsets}
         self._chars += len(delta.text)
         if delta.finish_reason:
             self.finish_reason = FINISH_REASONS.get(delta.finish_reason, "stop")
             self.usage = usage(delta.usage)
-        return delta.text, lp
+        return text, lp
 
     def full_logprobs(self) -> dict | None:
         if not self.logprobs:
@@ -591,6 +627,30 @@ class Accumulator:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
                 "top_logprobs": self.completion_top if self.top_logprobs else None, "text_offset": self.text_offset}
 
+    def vllm_prompt_logprobs(self) -> list | None:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank, decoded_token}}
+        holding the token itself and its k most likely alternatives (rank 1..k)."""
+        if self.prompt_logprobs is None or self.prompt is None:
+            return None
+        p, k = self.prompt, self.prompt_logprobs
+        texts = list(p.tokens) if len(p.tokens) == len(p.token_ids) else [None] * len(p.token_ids)
+        out: list = [None]
+        for i in range(1, len(p.token_ids)):
+            entry = {str(p.token_ids[i]): {"logprob": p.logprobs[i - 1], "rank": p.ranks[i - 1],
+                                           "decoded_token": texts[i]}}
+            if k and i - 1 < len(p.top):
+                alts = p.top[i - 1]
+                for rank, (tid, value) in enumerate(zip(list(alts.token_ids)[:k], alts.logprobs), 1):
+                    text = alts.tokens[rank - 1] if len(alts.tokens) == len(alts.token_ids) else None
+                    entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": text})
+            out.append(entry)
+        return out
+
+
+def _top_pairs(top: pb.TopLogprobs, k: int) -> list[tuple[str, float]]:
+    strings = list(top.tokens) if len(top.tokens) == len(top.token_ids) else [f"token_id:{t}" for t in top.token_ids]
+    return list(zip(strings, top.logprobs))[:k]
+
 
 class Choices:
     """The n choices of one response, each its own Accumulator (the LLM tags each message with its index)."""
@@ -598,7 +658,8 @@ class Choices:
     def __init__(self, kind: str, parsed: ParsedRequest):
         n = parsed.grpc.sampling.n or 1
         self.kind = kind
-        self.by_index = [Accumulator(kind, parsed.logprobs, parsed.top_logprobs, parsed.echo) for _ in range(n)]
+        self.by_index = [Accumulator(kind, parsed.logprobs, parsed.top_logprobs, parsed.echo, parsed.prompt_logprobs)
+                         for _ in range(n)]
         self.tools = parsed.tools  # with tools, answers are parsed for tool calls
 
     def __getitem__(self, index: int) -> Accumulator:
@@ -635,7 +696,10 @@ def _choice(kind: str, index: int, acc: Accumulator, tools: tools_mod.ToolReques
                 message.update(content=content, tool_calls=calls)
                 finish = "tool_calls" if finish == "stop" else finish
         return {"index": index, "message": message, "logprobs": acc.full_logprobs(), "finish_reason": finish}
-    return {"index": index, "text": text, "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
+    out = {"index": index, "text": text, "logprobs": acc.full_logprobs(), "finish_reason": acc.finish_reason}
+    if acc.prompt_logprobs is not None:  # vLLM puts a completion's in each choice
+        out["prompt_logprobs"] = acc.vllm_prompt_logprobs()
+    return out
 
 
 def completion_body(kind: str, rid: str, model: str, acc: Accumulator | Choices, fingerprint: str | None) -> dict:
@@ -644,8 +708,12 @@ def completion_body(kind: str, rid: str, model: str, acc: Accumulator | Choices,
     else:
         choices, total = [_choice(kind, i, a, acc.tools) for i, a in enumerate(acc.by_index)], acc.usage
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "system_fingerprint": fingerprint, "choices": choices, "usage": total}
+    first = acc if isinstance(acc, Accumulator) else acc.by_index[0]
+    if kind == "chat" and first.prompt_logprobs is not None:  # vLLM puts a chat's once, beside the choices
+        body["prompt_logprobs"] = first.vllm_prompt_logprobs()
+    return body
 
 
 class ChunkMaker:

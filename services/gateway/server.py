@@ -398,7 +398,7 @@ class Gateway:
             for index in range(len(acc.by_index)):
                 if parsed.kind == "chat":
                     await response.write(_sse(chunks.role(index)))
-                elif parsed.echo:
+                elif parsed.echo and not parsed.logprobs:  # with logprobs it leads the first message (its scores)
                     await response.write(_sse(chunks.content(parsed.echo, None, index=index)))
             message = first
             # With tools, each choice's text goes through a tool-call parser: content, then calls as they close.

@@ -110,7 +110,7 @@ class LinkSink:
     def _row(self, call_id: int, index: int, texts: bool, d: Delta) -> tuple:
         """One delta as a link.DeltaRow."""
         extra = None
-        if texts or d.top_logprobs or d.scheduled_at is not None or d.error is not None:
+        if texts or d.top_logprobs or d.scheduled_at is not None or d.error is not None or d.prompt_ids is not None:
             extra = {}
             if texts:  # the gateway has no tokenizer: logprobs come with each token's text
                 extra["tokens"] = [self.token_text(t) for t in d.token_ids]
@@ -121,6 +121,12 @@ class LinkSink:
                 extra["scheduled_at"], extra["arrival"] = d.scheduled_at, d.arrival
             if d.error is not None:
                 extra["error"] = error_info(d.error)
+            if d.prompt_ids is not None:
+                text = self.token_text
+                extra["prompt"] = (d.prompt_ids, [text(t) for t in d.prompt_ids],
+                                   [lp for lp, _, _ in d.prompt_logprobs], [rank for _, rank, _ in d.prompt_logprobs],
+                                   [([t for t, _ in top], [v for _, v in top], [text(t) for t, _ in top])
+                                    for _, _, top in d.prompt_logprobs])
         finish = (None if d.finish_reason is None else
                   (d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens))
         return call_id, index, d.token_ids, d.text, d.logprobs, finish, extra
@@ -320,7 +326,9 @@ class EngineCore:
         call.rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         holds: list[str | None] = []  # pinned prefix pages, one hold per choice, until each choice takes its own
         try:
-            digests = await item_digests(items) if items and self.config.prefix_caching else []
+            # Prompt logprobs need every prompt row computed: such a request neither reads the cache nor pins it.
+            caching = self.config.prefix_caching and params.prompt_logprobs is None
+            digests = await item_digests(items) if items and caching else []
             skip: set[int] = set()
             if digests:
                 plan = plan_prefix(ids, items, digests, self.item_shapes, cfg, self.config.page_size)

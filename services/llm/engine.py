@@ -28,7 +28,7 @@ from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
-from services.llm.sampling import SamplerRow, SamplingParams, unpack_logprobs
+from services.llm.sampling import SamplerRow, SamplingParams, unpack_logprobs, unpack_prompt_scores
 from services.llm.scheduler import PENDING, Scheduler, Sequence, SeqStatus
 from modalmesh.kv.page_keys import ItemRows
 
@@ -108,9 +108,13 @@ class LLMEngine:
                                    min_tokens=params.min_tokens),
             emit,
         )
+        if params.prompt_logprobs is not None:
+            state.prompt_scores = [None] * (n - 1)
         items = tuple(ItemRows(span.start, span.end, span.digest) for span in prompt.spans)
         # An item without a digest could not be told from another behind the same placeholders: no cache.
-        cacheable = self.prefix_caching and all(item.digest for item in items)
+        # Prompt logprobs need every prompt row computed: none may come from the cache.
+        cacheable = (self.prefix_caching and all(item.digest for item in items)
+                     and params.prompt_logprobs is None)
         self._inbox.put(("add", Sequence(request_id, list(prompt.token_ids), max_tokens, state=state, items=items,
                                          cacheable=cacheable, holds=(hold,) if hold is not None else ())))
 
@@ -269,6 +273,11 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         step = inflight.step
+        if inflight.scored is not None:
+            for chunk, first, rows in inflight.scored.rows():
+                scores = chunk.seq.state.prompt_scores
+                if scores is not None:  # else its first token (and the scores with it) has gone out already
+                    scores[first:first + len(rows)] = rows
         self.steps += 1
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
@@ -337,6 +346,11 @@ class LLMEngine:
                 delta.top_logprobs.append(top)
         if first:
             delta.arrival, delta.scheduled_at = state.arrival, state.scheduled_at
+            if state.prompt_scores is not None:
+                k = params.prompt_logprobs
+                delta.prompt_ids = list(seq.prompt_ids)
+                delta.prompt_logprobs = [unpack_prompt_scores(row, k) for row in state.prompt_scores]
+                state.prompt_scores = None
         if finish is not None:
             delta.finish_reason = finish
             delta.prompt_tokens = len(seq.prompt_ids)

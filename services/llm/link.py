@@ -100,7 +100,8 @@ class ErrorInfo(NamedTuple):
 #   (call_id, index, token_ids, text, logprobs, finish, extra)
 #   finish: None, or (finish_reason, prompt_tokens, completion_tokens, cached_tokens)
 #   extra:  None, or a dict with any of "tokens" (each token's text), "top" ([(ids, logprobs, texts)] per
-#           token), "arrival" / "scheduled_at" (time.perf_counter, on a request's first delta), "error" (ErrorInfo)
+#           token), "arrival" / "scheduled_at" (time.perf_counter, on a request's first delta), "error" (ErrorInfo),
+#           "prompt" ((ids, texts, logprobs, ranks, [(ids, logprobs, texts)] per scored token): prompt logprobs)
 DeltaRow = tuple
 
 

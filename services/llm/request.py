@@ -28,6 +28,10 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, found in the prefix cache (on the last delta)
+    # On a request's first delta, when it asked for prompt logprobs: the prompt's token ids, and for each token
+    # after the first, (its logprob, its rank, its top alternatives [(id, logprob)]).
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
     error: BaseException | None = None
     # On a request's first token only: when (time.perf_counter, one clock for the service's processes) it
     # reached the engine and was first in a step, so the service can split its queue time from its prefill
@@ -49,3 +53,6 @@ class RequestState:
     scheduled_at: float | None = None  # first time in a step (queue time ends, prefill begins)
     first_token_at: float | None = None
     finished: bool = False  # its request metrics observed (once, whichever way it ended)
+    # Prompt logprobs, when asked: the row scoring prompt token p + 1 at index p, filled as prompt chunks run
+    # (a preempted sequence's recomputed rows overwrite theirs alike); handed out with the first token.
+    prompt_scores: list | None = None

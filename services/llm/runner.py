@@ -46,11 +46,13 @@ from services.llm.graphs import DecodeGraphs, MixedGraphs
 from services.llm.loader import load_llm
 from modalmesh.layers.linear import enable_gemv
 from services.llm.request import RequestState
-from services.llm.sampling import SamplerRow, sample
+from services.llm.sampling import SamplerRow, sample, score_prompt
 from services.llm.scheduler import PENDING, Chunk, Sequence, Step
 from services.llm.step_inputs import StepChannel, StepInputs
 
 log = logging.getLogger(__name__)
+
+SCORE_ROWS = 512  # prompt rows whose logits are made at once (prompt logprobs)
 
 
 @dataclass
@@ -60,15 +62,33 @@ class Sampled:
     logprob: float
 
 
+@dataclass
+class PromptScores:
+    """A step's prompt logprobs (`sampling.score_prompt` rows, in `spans`' order) and whose they are:
+    `spans` is (chunk, first prompt position scored, count) per sequence (StepInputs.scored_spans)."""
+
+    spans: tuple
+    scores: torch.Tensor
+
+    def rows(self) -> list[tuple[Chunk, int, list[list[float]]]]:
+        """Per span: (chunk, first position, its rows) on the host."""
+        values, out, at = self.scores.tolist(), [], 0
+        for chunk, first, count in self.spans:
+            out.append((chunk, first, values[at:at + count]))
+            at += count
+        return out
+
+
 class InFlight:
     """A launched step: its sampled tokens and logprobs on their way to pinned host memory.
 
     `tokens` stays on the device for the next step (`carry`); `rows` is each sampled sequence's row in it.
     `feeds_next` is False when a row's sampler needs the token on the host before it samples again (the
     repetition penalty's seen tokens, a grammar's state: `SamplerRow.feeds_next`): then the engine waits for
-    this step before it schedules the next."""
+    this step before it schedules the next. `scored`: the step's prompt logprobs, if any sequence asked."""
 
-    def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None):
+    def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
+                 scored: PromptScores | None = None):
         self.step = step
         self._chunks = chunks
         self.tokens = tokens
@@ -76,22 +96,32 @@ class InFlight:
         self.feeds_next = all(c.seq.state.sampler.feeds_next for c in chunks)
         self.pending: dict = {}  # seq_id -> index of its PENDING output (the engine's `advance`)
         self.ending: dict = {}  # seq_id -> "length": known to end with this step's token
+        self.scored = scored
         self._tokens, self._logprobs, self._ready = tokens, logprobs, None
-        if tokens is not None and tokens.is_cuda:
-            self._tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-            self._tokens.copy_(tokens, non_blocking=True)
-            self._logprobs.copy_(logprobs, non_blocking=True)
+        on_device = [t for t in (tokens, scored.scores if scored else None) if t is not None and t.is_cuda]
+        if on_device:
+            if tokens is not None:
+                self._tokens = _to_pinned(tokens)
+                self._logprobs = _to_pinned(logprobs)
+            if scored is not None:
+                self.scored = PromptScores(scored.spans, _to_pinned(scored.scores))
             self._ready = torch.cuda.Event()
             self._ready.record()
 
     def wait(self) -> list[Sampled]:
-        """The sampled token of each chunk that ends its sequence (blocks until the device has them)."""
-        if self._tokens is None:
-            return []
+        """The sampled token of each chunk that ends its sequence (blocks until the device has them, and the
+        prompt scores with them)."""
         if self._ready is not None:
             self._ready.synchronize()
+        if self._tokens is None:
+            return []
         return [Sampled(c, t, lp) for c, t, lp in zip(self._chunks, self._tokens.tolist(), self._logprobs.tolist())]
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 @dataclass(frozen=True)
@@ -216,19 +246,20 @@ class ModelRunner:
         """Rank 0: queue one scheduled step on every rank, sampling included, without waiting for it.
 
         `previous`: the step before, whose tokens may still be `PENDING` in this step's sequences."""
-        inputs = self.prepare(step, previous)
-        logits = self.call(inputs, previous.tokens if previous is not None else None)
+        inputs = self.channel.publish(self.prepare(step, previous))
+        logits, scores = self.execute(inputs, previous.tokens if previous is not None else None)
+        scored = PromptScores(inputs.scored_spans, scores) if scores is not None else None
         sampled = [c for c in step.chunks if c.sample]
         if logits is None:
-            return InFlight(step, [], None, None)
+            return InFlight(step, [], None, None, scored)
         rows: list[SamplerRow] = [c.seq.state.sampler for c in sampled]
         tokens, logprobs = sample(logits, rows)
-        return InFlight(step, sampled, tokens, logprobs)
+        return InFlight(step, sampled, tokens, logprobs, scored)
 
     def call(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Rank 0: hand `inputs` (and the previous step's device tokens it carries) to every rank, then run
-        them here."""
-        return self.execute(self.channel.publish(inputs), previous_tokens)
+        them here; the logits of the sampled rows."""
+        return self.execute(self.channel.publish(inputs), previous_tokens)[0]
 
     def prepare(self, step: Step, previous: InFlight | None = None) -> StepInputs:
         """Rank 0: the step's inputs on the host, from the scheduled chunks and the page allocator."""
@@ -260,6 +291,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         splices: list[tuple[int, torch.Tensor]] = []  # (row in the packed batch, embedding rows)
         query_lens, context_lens, seq_ids, sample_rows, last_rows = [], [], [], [], []
+        scored_rows, scored_targets, scored_spans, scored_top = [], [], [], 0
         for chunk in step.chunks:
             seq: Sequence[RequestState] = chunk.seq
             prompt = seq.state.prompt
@@ -280,6 +312,13 @@ class ModelRunner:
             last_rows.append(len(ids) - 1)
             if chunk.sample:
                 sample_rows.append(len(ids) - 1)
+            top = seq.state.params.prompt_logprobs
+            scored_end = min(end, len(seq.prompt_ids) - 1)  # the row at position p scores prompt token p + 1
+            if top is not None and start < scored_end:
+                scored_rows += range(base, base + scored_end - start)
+                scored_targets += seq.prompt_ids[start + 1:scored_end + 1]
+                scored_spans.append((chunk, start, scored_end - start))
+                scored_top = max(scored_top, top)
         graph = self._per_token(step, bucket) if bucket else {}
         if graph:
             pad = bucket - len(ids)
@@ -291,7 +330,10 @@ class ModelRunner:
             query_lens=tuple(query_lens), context_lens=tuple(context_lens),
             block_table=torch.tensor(self.pool.allocator.block_table(seq_ids), dtype=torch.int64),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64), has_embeds=bool(splices),
-            splices=tuple(splices), **carry, **graph)
+            splices=tuple(splices), **carry, **graph, **(dict(
+                scored_rows=torch.tensor(scored_rows, dtype=torch.int64),
+                scored_targets=torch.tensor(scored_targets, dtype=torch.int64),
+                scored_top=scored_top, scored_spans=tuple(scored_spans)) if scored_rows else {}))
 
     def _per_token(self, step: Step, bucket: int) -> dict:
         """A mixed graph's per-token inputs, padded to `bucket`: each token's KV slot, block-table row and
@@ -393,8 +435,10 @@ class ModelRunner:
             embeds = self.channel.share_embeds(embeds)
         return embeds
 
-    def execute(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """One forward of the step on this rank: float32 logits of the sampled rows (None if none).
+    def execute(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One forward of the step on this rank: float32 logits of the sampled rows (None if none), and on rank
+        0 the scores of the prompt rows asked for (`sampling.score_prompt`; None if none).
 
         `previous_tokens`: rank 0's previous sampled tokens, when `inputs` carries some (ranks >= 1 receive
         them here)."""
@@ -410,6 +454,18 @@ class ModelRunner:
             embeds = self._embed(inputs) if inputs.has_embeds else None
             hidden = self.model(inputs.positions, meta, self.kv_caches,
                                 input_ids=None if embeds is not None else inputs.input_ids, inputs_embeds=embeds)
+        scores = self._score_prompt(hidden, inputs) if inputs.scored_rows is not None else None
         if not inputs.sample_rows.numel():
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows])  # its all-gather needs every rank
+            return None, scores
+        return self.model.compute_logits(hidden[inputs.sample_rows]), scores  # its all-gather needs every rank
+
+    def _score_prompt(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The prompt rows' scores, SCORE_ROWS rows at a time: a row's logits are a vocabulary of floats, and
+        a long prompt chunk's all at once would be gigabytes. Every rank computes the logits (the LM head's
+        all-gather); rank 0 scores them."""
+        parts = []
+        for lo in range(0, inputs.scored_rows.numel(), SCORE_ROWS):
+            logits = self.model.compute_logits(hidden[inputs.scored_rows[lo:lo + SCORE_ROWS]])
+            if self.rank == 0:
+                parts.append(score_prompt(logits, inputs.scored_targets[lo:lo + SCORE_ROWS], inputs.scored_top))
+        return torch.cat(parts) if parts else None

@@ -29,6 +29,7 @@ from services.llm.limits import RequestLimits  # noqa: F401 - SamplingParams.fro
 
 MAX_LOGPROBS = 20
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt token (vLLM's prompt_logprobs; its -1, the vocabulary, is not taken)
 MAX_N = 16  # choices from one request: each is a sequence of its own in the engine
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 _FLOAT_IDS = 1 << 24  # token ids travel in the logprobs tensor as float32: exact below this
@@ -67,6 +68,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     structured: StructuredOutput | None = None
+    # None: off. k >= 0: each prompt token's logprob given the tokens before it (and its rank), and the k most
+    # likely tokens at that position (vLLM's prompt_logprobs; OpenAI completions' echo with logprobs).
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +105,7 @@ class SamplingParams:
             include_stop_str_in_output=msg.include_stop_str_in_output,
             n=msg.n or 1,
             structured=_structured_from_proto(msg.structured) if msg.HasField("structured") else None,
+            prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         )
         (limits or RequestLimits()).check(p)  # counts first: validate walks the lists
         p.validate(vocab_size)
@@ -153,6 +158,11 @@ class SamplingParams:
             raise bad(f"top_logprobs: a vocabulary of {vocab_size} tokens is too large for it")
         if not 1 <= self.n <= MAX_N:
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+                raise bad(f"prompt_logprobs must be in [0, {MAX_PROMPT_LOGPROBS}], got {self.prompt_logprobs}")
+            if vocab_size > _FLOAT_IDS:
+                raise bad(f"prompt_logprobs: a vocabulary of {vocab_size} tokens is too large for it")
         if self.structured is not None:
             if self.ignore_eos:  # the grammar ends on EOS: ignoring it would run past the grammar's end
                 raise bad("ignore_eos cannot be combined with structured output")
@@ -358,3 +368,24 @@ def unpack_logprobs(value, top_logprobs: int) -> tuple[float, list[tuple[int, fl
     k = (len(value) - 1) // 2
     n = min(top_logprobs, k)
     return value[0], [(int(value[1 + k + j]), value[1 + j]) for j in range(n)]
+
+
+def score_prompt(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """Prompt logprobs of (R, V) logits, each row the position before `targets`' token (R,): (R, 2 + 2k)
+    float32 — the target's logprob, its rank (how many tokens are at least as likely, itself included: vLLM's count; 1 = the most likely), the k
+    largest logprobs, then their ids as float32 (exact below 2^24). The model's raw distribution, as `sample`'s.
+    The caller bounds R: the rows' log-softmax is R x V floats."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    rank = (logprobs >= chosen).sum(dim=-1, keepdim=True).float()
+    if not k:
+        return torch.cat((chosen, rank), dim=1)
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return torch.cat((chosen, rank, top.values, top.indices.float()), dim=1)
+
+
+def unpack_prompt_scores(row: list[float], k: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """One row of `score_prompt`, read back: (logprob, rank, the top alternatives (id, logprob), at most k)."""
+    width = (len(row) - 2) // 2
+    n = min(k, width)
+    return row[0], int(row[1]), [(int(row[2 + width + j]), row[2 + j]) for j in range(n)]

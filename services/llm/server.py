@@ -143,6 +143,11 @@ def _response(index: int, rows: list) -> tuple[pb.GenerateResponse, bool]:
                 response.tokens.extend(extra.get("tokens", ()))
                 for ids, values, tokens in extra.get("top", ()):
                     response.top_logprobs.append(pb.TopLogprobs(token_ids=ids, logprobs=values, tokens=tokens))
+                if "prompt" in extra:
+                    ids, texts_, values, ranks, top = extra["prompt"]
+                    response.prompt_logprobs.CopyFrom(pb.PromptLogprobs(
+                        token_ids=ids, tokens=texts_, logprobs=values, ranks=ranks,
+                        top=[pb.TopLogprobs(token_ids=i, logprobs=v, tokens=t) for i, v, t in top]))
             if finish is not None:
                 break  # nothing follows the last delta of a request
         response.text = "".join(texts)

@@ -3,7 +3,8 @@
 Rank 0 builds a `StepInputs` from the scheduled chunks, its tensors on the host
 (`ModelRunner.prepare`). `StepChannel.publish` packs every integer of it into
 one int64 message — a header of sizes and flags, then token ids, positions,
-per-sequence lengths, block table, sampled rows and KV slots — copies it to the
+per-sequence lengths, block table, sampled rows, KV slots and prompt rows to score —
+copies it to the
 device in one transfer and, under tensor parallelism, broadcasts it (NCCL on
 CUDA, gloo on CPU). Ranks >= 1 `receive` the same message. Every rank then holds
 the same `StepInputs`, its tensors views into the message on its device, and
@@ -32,7 +33,7 @@ from modalmesh import distributed
 
 HEADER = 16  # int64 words before the payload
 (_KIND, _TOKENS, _BATCH, _WIDTH, _MROPE, _ROWS, _SLOTS, _EMBEDS, _GRAPH, _LENGTH, _CARRY, _PREVIOUS,
- _GRAPH_TOKENS) = range(13)
+ _GRAPH_TOKENS, _SCORED, _SCORED_TOP) = range(15)
 STEP, STOP = 1, 2
 DEFAULT_CAPACITY = 8192  # int64 words in one broadcast: 64 KiB
 
@@ -65,6 +66,14 @@ class StepInputs:
     graph_tokens: int = 0
     token_seq: torch.Tensor | None = None
     token_ctx: torch.Tensor | None = None
+    # Prompt logprobs: rows of the hidden states that score the prompt token after them (scored_rows, (R,)),
+    # that token (scored_targets, (R,)), and the most alternatives any of them asks for (scored_top). Every
+    # rank computes their logits (the LM head's all-gather); rank 0 scores them (sampling.score_prompt).
+    scored_rows: torch.Tensor | None = None
+    scored_targets: torch.Tensor | None = None
+    scored_top: int = 0
+    # Rank 0 only, never sent: (chunk, first prompt position scored, count) of each sequence's scored rows, in order.
+    scored_spans: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -106,10 +115,13 @@ class StepChannel:
             parts.append(s.carry)
         if s.graph_tokens:
             parts += [s.token_seq, s.token_ctx]
+        scored = 0 if s.scored_rows is None else s.scored_rows.numel()
+        if scored:
+            parts += [s.scored_rows, s.scored_targets]
         length = sum(p.numel() for p in parts)
         header = [STEP, s.num_tokens, s.batch_size, s.block_table.shape[1], int(mrope), s.sample_rows.numel(),
                   int(s.slot_mapping is not None), int(s.has_embeds), s.graph_batch, length, int(s.carry is not None),
-                  s.previous_samples, s.graph_tokens]
+                  s.previous_samples, s.graph_tokens, scored, s.scored_top]
         # Pinned and from the caching host allocator: the copy below is asynchronous, and the allocator
         # keeps this block until the copy has run, so the next step cannot overwrite it early.
         # Under TP the first broadcast is always `capacity` words: allocate at least that, so it is a view.
@@ -122,7 +134,7 @@ class StepChannel:
             distributed.broadcast(message[:self.capacity])  # receivers take a full buffer; the tail is unread
             if HEADER + length > self.capacity:
                 distributed.broadcast(message[self.capacity:])
-        return _unpack(message, host, s.splices)
+        return replace(_unpack(message, host, s.splices), scored_spans=s.scored_spans)
 
     def publish_stop(self) -> None:
         if self.world_size > 1:
@@ -181,6 +193,8 @@ def _unpack(message: torch.Tensor, host: torch.Tensor, splices) -> StepInputs:
     carry = take(tokens)[0] if head[_CARRY] else None
     token_seq = take(tokens)[0] if head[_GRAPH_TOKENS] else None
     token_ctx = take(tokens)[0] if head[_GRAPH_TOKENS] else None
+    scored_rows = take(head[_SCORED])[0] if head[_SCORED] else None
+    scored_targets = take(head[_SCORED])[0] if head[_SCORED] else None
     lens_host = host[lens_at].tolist()
     return StepInputs(
         input_ids=input_ids, positions=positions, query_lens=tuple(lens_host[:batch]),
@@ -188,4 +202,5 @@ def _unpack(message: torch.Tensor, host: torch.Tensor, splices) -> StepInputs:
         slot_mapping=slot_mapping, graph_batch=head[_GRAPH], has_embeds=bool(head[_EMBEDS]), splices=tuple(splices),
         context_lens_t=lens[batch:], carry=carry, previous_samples=head[_PREVIOUS],
         graph_tokens=head[_GRAPH_TOKENS], token_seq=token_seq, token_ctx=token_ctx,
+        scored_rows=scored_rows, scored_targets=scored_targets, scored_top=head[_SCORED_TOP],
     )
