@@ -489,3 +489,22 @@ def test_grpc_n_tags_each_message_with_its_choice_and_bad_fields_are_invalid_arg
         return [[t for m in ms if m.index == i for t in m.token_ids] for i in (0, 1)]
 
     assert by_choice(again) == by_choice(messages) and by_choice(messages)[0] != by_choice(messages)[1]
+
+
+def test_n_choices_share_the_prompts_pages(stack, hf):
+    """n = 3 over a prompt of several full pages: one choice prefills it, the siblings take its pages from the
+    prefix cache (each reports them cached), and every choice still equals its n = 1 run."""
+    _, tok = hf
+    prompt = " ".join(f"w{i}" for i in range(40))
+    n_prompt = len(tok(prompt)["input_ids"])
+    full = (n_prompt - 1) // 16 * 16  # the pages of 16 wholly before its last token (always computed)
+    assert full >= 48
+    sampling = dict(seed=11, max_tokens=4, ignore_eos=True, temperature=1.0)
+    messages = generate(stack, text=prompt, sampling=pb.SamplingParams(n=3, **sampling))
+    finals = sorted((m.index, m.usage.cached_tokens) for m in messages if m.finish_reason)
+    assert [i for i, _ in finals] == [0, 1, 2]
+    assert sorted(cached for _, cached in finals) == [0, full, full]  # the first prefilled what its siblings took
+    for index in range(3):
+        alone = generate(stack, text=prompt, sampling=pb.SamplingParams(**{**sampling, "seed": 11 + index}))
+        assert [t for m in messages if m.index == index for t in m.token_ids] == [t for m in alone
+                                                                                   for t in m.token_ids]
