@@ -301,3 +301,37 @@ def test_tensor_parallel_graph_replay_equals_eager(root, family):
         assert reports == [graphs, graphs] and used == 0
         results[graphs] = tokens
     assert results[True] == results[False] and all(len(set(r)) > 3 for r in results[True])
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_prompt_logprobs_on_cuda_equal_hf_beside_decoding_requests(root, cuda_graphs):
+    """Scored prompt chunks ride the steps of running decodes (mixed steps: replayed from a token-bucket
+    graph when graphs are on) and equal HF's FP32 log-softmax over the prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny.ensure("qwen2", root)
+    engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.float32, cuda_graphs=cuda_graphs)
+    engine.start()
+    prompts = [list(range(40, 93)), [7, 300, 12]]
+    try:
+        busy = queue.Queue()
+        engine.add("busy", PreparedPrompt([5, 6, 7]), SamplingParams(temperature=0.0, max_tokens=60,
+                                                                     ignore_eos=True), busy.put)
+        busy.get(timeout=120)  # it decodes while the scored prompts are prefilled
+        outs = []
+        for i, p in enumerate(prompts):
+            outs.append(queue.Queue())
+            engine.add(f"s{i}", PreparedPrompt(p), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                                                  prompt_logprobs=3), outs[-1].put)
+        firsts = [o.get(timeout=120) for o in outs]
+    finally:
+        engine.stop()
+    ref = AutoModelForCausalLM.from_pretrained(path).eval()
+    for prompt, first in zip(prompts, firsts):
+        assert first.error is None and first.prompt_ids == prompt
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+        got = torch.tensor([lp for lp, _, _ in first.prompt_logprobs])
+        torch.testing.assert_close(got, want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=2e-4, rtol=0)
+        top = torch.tensor([[v for _, v in alts] for _, _, alts in first.prompt_logprobs])
+        torch.testing.assert_close(top, want.topk(3).values, atol=2e-4, rtol=0)
