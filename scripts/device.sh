@@ -20,6 +20,8 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
+#       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
 # Steps that need one GPU pin it with CUDA_VISIBLE_DEVICES; `tp1-pair` runs the two TP=1 benches at
 # once, one on each GPU. A step that fails or times out is reported and the next one still runs.
