@@ -320,8 +320,9 @@ class VisionEncoderModel(EncoderModel):
             grids = [tuple(it.meta["grid_thw"]) for it in batch]
             rows = self.tower(pixels, grids).to(self.dtype)
             sizes = [self.tower.merged_rows(g) for g in grids]
-            return [EncodedItem(embedding=r, grid_thw=g, second_per_grid_t=float(it.meta.get("second_per_grid_t", 0.0)))
-                    for r, g, it in zip(rows.split(sizes), grids, batch)]
+            seconds = [float(it.meta.get("second_per_grid_t", 0.0)) for it in batch]  # a video's; images: 0
+            return [EncodedItem(embedding=r, grid_thw=g, second_per_grid_t=s)
+                    for r, g, s in zip(rows.split(sizes), grids, seconds)]
         rows = (self.graphs or self.tower)(pixels).to(self.dtype)
         return [EncodedItem(embedding=r) for r in rows.unbind(0)]
 
