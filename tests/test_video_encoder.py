@@ -168,16 +168,17 @@ def test_the_sampling_flags_and_a_video_processor_config_change_the_grid(checkpo
                                 options={"max_video_frames": 7, "video_fps": 1.0})
     assert fewer.prepare(pb.EncodeItem(video=data), 0).meta["grid_thw"] == (2, 4, 4)  # 5 frames, capped at 6: 4
     assert fewer.cache_key(pb.EncodeItem(video=data), 0) != base.cache_key(pb.EncodeItem(video=data), 0)
-    # video_preprocessor_config.json, when there, is the video processor's (transformers' order); images keep theirs
+    # video_preprocessor_config.json, when there, is the video processor's (transformers' order): its budget and
+    # its max_frames (below the flag's); images keep theirs
     own = shutil.copytree(checkpoints["qwen2_vl"], tmp_path / "own-video-config")
     (own / "video_preprocessor_config.json").write_text(json.dumps(
         {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 8, "patch_size": 14, "merge_size": 2,
-         "temporal_patch_size": 2}))
+         "temporal_patch_size": 2, "max_frames": 6}))
     model = build_encoder_model(own, device="cpu", dtype=torch.float32)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     height, width = smart_resize(48, 64, factor=28, min_pixels=28 * 28 * 8, max_pixels=28 * 28 * 8)
-    assert model.prepare(pb.EncodeItem(video=data), 0).meta["grid_thw"] == (5, height // 14, width // 14) != (5, 4, 4)
+    assert model.prepare(pb.EncodeItem(video=data), 0).meta["grid_thw"] == (3, height // 14, width // 14) != (3, 4, 4)
     image = pb.EncodeItem(pixels=pb.Tensor(dtype=pb.UINT8, shape=[48, 64, 3], data=bytes(48 * 64 * 3)))
     assert model.prepare(image, 0).meta["grid_thw"] == base.prepare(image, 0).meta["grid_thw"]
 

@@ -156,10 +156,12 @@ class VisionEncoderModel(EncoderModel):
         want = (tower.patch_size, tower.temporal_patch_size, tower.merge)
         if got != want:
             raise ConfigError(f"{self.model_dir}: the video processor's config gives {got} but the tower's says {want}")
+        # The processor's own min_frames / max_frames where its config names them (the flag caps max_frames too).
         raw = pp.video_processor_dict(self.model_dir)
+        cap = int(self.options["max_video_frames"])
         sampling = vd.VideoSampling(fps=float(self.options["video_fps"]),
                                     min_frames=int(raw.get("min_frames") or vd.DEFAULT_MIN_FRAMES),
-                                    max_frames=int(self.options["max_video_frames"]),
+                                    max_frames=min(cap, int(raw.get("max_frames") or cap)),
                                     max_seconds=float(self.options["max_video_seconds"]))
         sampling.check(proc.temporal_patch_size)
         return proc, sampling
