@@ -1,7 +1,8 @@
-"""Video for Qwen2-VL in the LLM service: a precomputed video embedding (grid_thw with t > 1) spliced at
-<|video_pad|> with M-RoPE positions as transformers computes them, against HF's video path (pixel_values_videos,
-video_grid_thw) on the same patches: greedy tokens equal, logprobs within 1e-4 (tiny random Qwen2-VL, fp32, CPU).
-No encoder takes raw video yet, and Qwen2.5-VL (time-scaled positions) is refused."""
+"""Video in the LLM service: a video embedding (grid_thw with t > 1) spliced at <|video_pad|> with M-RoPE positions
+as transformers computes them. Here: a precomputed embedding against HF's video path (pixel_values_videos,
+video_grid_thw) on the same patches, greedy tokens equal and logprobs within 1e-4 (tiny random Qwen2-VL, fp32, CPU);
+positions against HF's get_rope_index for Qwen2-VL and Qwen2.5-VL (time-scaled by second_per_grid_ts), images,
+videos and text mixed. Raw video files through the whole stack: tests/test_video_stack.py."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def served(tmp_path_factory):
     try:
         for p in procs:
             p.wait_serving(timeout=180)
-        yield dict(vl=vl, llm=procs[0], llm25=procs[1])
+        yield dict(vl=vl, vl25=vl25, llm=procs[0], llm25=procs[1])
     finally:
         for p in procs:
             p.terminate(timeout=30)
@@ -79,21 +80,106 @@ def test_qwen2_vl_video_embedding_equals_hf_video_generate(served):
             embedding=to_proto(video), grid_thw=[1, 4, 12], num_placeholder_tokens=rows))
         _, flat_lps = _generate(stub, text=text, items=[flat], sampling=sampling)
         assert max(abs(a - b) for a, b in zip(flat_lps, lps)) > 1e-3
-        # A grid that does not describe the rows, and raw video, are refused by name.
+        # A grid that does not describe the rows, and a raw video item holding no video file, are refused by name.
         for bad, words in ((pb.MultimodalItem(modality=pb.VIDEO, embedding=pb.Embedding(
                 embedding=to_proto(video), grid_thw=[3, 4, 6])), "grid_thw [3, 4, 6] does not describe its 12 rows"),
                            (pb.MultimodalItem(modality=pb.VIDEO, input=pb.EncodeItem(data=b"x")),
-                            "precomputed embedding only")):
+                            "a raw VIDEO item takes EncodeItem.video (an encoded video file), not data"),
+                           (pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(video=b"x")),
+                            "a raw IMAGE item takes no video")):
             with pytest.raises(grpc.RpcError) as err:
                 _generate(stub, text=text, items=[bad], sampling=sampling)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
-
-
-def test_qwen2_5_vl_video_is_refused_until_its_time_scaled_positions_are_taken(served):
-    item = pb.MultimodalItem(modality=pb.VIDEO, embedding=pb.Embedding(
-        embedding=to_proto(torch.zeros(12, 64)), grid_thw=[2, 4, 6]))
-    with grpc.insecure_channel(served["llm25"].target) as channel:
+        # A raw video needs the vision encoder, which this LLM was started without.
         with pytest.raises(grpc.RpcError) as err:
-            _generate(pb.llm_pb2_grpc.LLMServiceStub(channel), text="<|video_pad|>", items=[item],
-                      sampling=pb.SamplingParams(max_tokens=2))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes no VIDEO input" in err.value.details()
+            _generate(stub, text=text, items=[pb.MultimodalItem(modality=pb.VIDEO, input=pb.EncodeItem(video=b"x"))],
+                      sampling=sampling)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "--vision-encoder" in err.value.details()
+
+
+def test_qwen2_5_vl_video_needs_its_seconds_per_grid_step(served):
+    """Qwen2.5-VL's video positions are scaled by the seconds a temporal step spans: a precomputed video without
+    them (or with a nonsense value) is refused by name, never placed at one temporal position."""
+    with grpc.insecure_channel(served["llm25"].target) as channel:
+        stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+        for seconds in (0.0, -1.0, float("nan"), 1e9):
+            item = pb.MultimodalItem(modality=pb.VIDEO, embedding=pb.Embedding(
+                embedding=to_proto(torch.zeros(12, 64)), grid_thw=[2, 4, 6], second_per_grid_t=seconds))
+            with pytest.raises(grpc.RpcError) as err:
+                _generate(stub, text="<|video_pad|>", items=[item], sampling=pb.SamplingParams(max_tokens=2))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "second_per_grid_t" in err.value.details(), err.value.details()
+        item = pb.MultimodalItem(modality=pb.VIDEO, embedding=pb.Embedding(
+            embedding=to_proto(torch.zeros(12, 64)), grid_thw=[2, 4, 6], second_per_grid_t=0.5))
+        ids, _ = _generate(stub, text="<|video_pad|>", items=[item], sampling=pb.SamplingParams(max_tokens=2))
+        assert len(ids) == 2
+        # An hour a step: its second step sits at position 14400 (tokens_per_second 4), past the model's length
+        # (the rotary tables stop there): refused, not run.
+        item.embedding.second_per_grid_t = 3600.0
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(stub, text="<|video_pad|>", items=[item], sampling=pb.SamplingParams(max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "video positions run" in err.value.details() and "position 14" in err.value.details()
+
+
+# ---- positions against transformers' get_rope_index ----------------------------------------------------
+IMAGE, VIDEO = 1, 2  # mm_token_type_ids
+
+
+def _mixed_prompt(cfg, hf_cfg, items):
+    """Token ids: text, then each (modality, grid) as its expanded placeholder run between text."""
+    from services.llm.embedding import Embedding
+
+    ids, types, embeddings = [7, 8, 9], [0, 0, 0], []
+    for n, (modality, grid, seconds) in enumerate(items):
+        rows = grid[0] * (grid[1] // 2) * (grid[2] // 2)
+        token = cfg.image_token_id if modality == pb.IMAGE else cfg.video_token_id
+        ids += [hf_cfg.vision_start_token_id] + [token] * rows + [hf_cfg.vision_end_token_id] + [11 + n] * (n + 2)
+        types += [0] + [IMAGE if modality == pb.IMAGE else VIDEO] * rows + [0] * (n + 3)
+        embeddings.append(Embedding(torch.zeros(rows, cfg.hidden_size), modality, tuple(grid),
+                                    second_per_grid_t=seconds))
+    return ids, types, embeddings
+
+
+# (modality, grid_thw, seconds per temporal step): an image, videos of several lengths and rates; a video whose
+# time-scaled positions run past its rows (1 x 2 merged patches, 5 s a step), and 2/3 s (float32 truncation).
+MIXED = [(pb.VIDEO, (3, 4, 6), 2 / 3), (pb.IMAGE, (1, 4, 4), 0.0), (pb.VIDEO, (2, 2, 4), 5.0),
+         (pb.VIDEO, (4, 6, 4), 0.8125), (pb.IMAGE, (1, 2, 6), 0.0), (pb.VIDEO, (5, 2, 2), 0.5)]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_positions_equal_hf_get_rope_index(served, name, tmp_path):
+    """Mixed images, videos and text, in a left-padded batch of two: HF's positions and delta, ours per prompt."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    from modalmesh.config import ModelConfig
+    from services.llm.inputs import splice_items
+
+    path = served["vl" if name == "qwen2_vl" else "vl25"]
+    cls = Qwen2VLForConditionalGeneration if name == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = ModelConfig.from_hf(path, part="text")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    tokens_per_second = hf_cfg.vision_config.tokens_per_second if name == "qwen2_5_vl" else None
+    prompts = [_mixed_prompt(cfg, hf_cfg, MIXED), _mixed_prompt(cfg, hf_cfg, MIXED[2:3])]
+    width = max(len(ids) for ids, _, _ in prompts)
+    input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _, _ in prompts])
+    types = torch.tensor([[0] * (width - len(t)) + t for _, t, _ in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in prompts])
+    items = MIXED + MIXED[2:3]
+    image_grids = torch.tensor([g for m, g, _ in items if m == pb.IMAGE])
+    video_grids = torch.tensor([g for m, g, _ in items if m == pb.VIDEO])
+    kwargs = {}
+    if name == "qwen2_5_vl":  # as the processor hands them over: a float32 tensor
+        kwargs["second_per_grid_ts"] = torch.tensor([s for m, _, s in items if m == pb.VIDEO])
+    want, want_delta = ref.model.get_rope_index(input_ids, types, image_grids, video_grids, attention_mask=mask,
+                                                **kwargs)
+    scaled = False
+    for b, (ids, _, embeddings) in enumerate(prompts):
+        prompt = splice_items(ids, embeddings, cfg, uses_mrope=True, spatial_merge=2,
+                              tokens_per_second=tokens_per_second)
+        assert prompt.token_ids == ids
+        assert torch.equal(prompt.mrope, want[:, b, width - len(ids):]), (name, b)
+        assert prompt.mrope_delta == int(want_delta[b])
+        scaled |= prompt.mrope_delta > 0
+    assert scaled == (name == "qwen2_5_vl")  # 5 s steps outrun their rows: positions ahead of the tokens

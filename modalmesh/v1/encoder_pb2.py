@@ -26,7 +26,7 @@ from modalmesh.v1 import common_pb2 as modalmesh_dot_v1_dot_common__pb2
 from modalmesh.v1 import tensor_pb2 as modalmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amodalmesh/v1/encoder.proto\x12\x0cmodalmesh.v1\x1a\x19modalmesh/v1/common.proto\x1a\x19modalmesh/v1/tensor.proto\"\xb0\x01\n\nEncodeItem\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x06pixels\x18\x02 \x01(\x0b\x32\x14.modalmesh.v1.TensorH\x00\x12#\n\x03pcm\x18\x03 \x01(\x0b\x32\x14.modalmesh.v1.TensorH\x00\x12\x13\n\x0bsample_rate\x18\x04 \x01(\x05\x12\x12\n\nmin_pixels\x18\x05 \x01(\x03\x12\x12\n\nmax_pixels\x18\x06 \x01(\x03\x42\x08\n\x06source\"}\n\rEncodeRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.modalmesh.v1.EncodeItem\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12/\n\x08transfer\x18\x03 \x01(\x0b\x32\x1d.modalmesh.v1.TransferOptions\"I\n\x0fTransferOptions\x12\x11\n\tshm_probe\x18\x01 \x01(\t\x12\x11\n\tshm_nonce\x18\x02 \x01(\x0c\x12\x10\n\x08\x63uda_ipc\x18\x03 \x01(\x08\"\x8f\x01\n\tEmbedding\x12\'\n\tembedding\x18\x01 \x01(\x0b\x32\x14.modalmesh.v1.Tensor\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x1e\n\x16num_placeholder_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cvalid_length\x18\x04 \x01(\x03\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\"\x96\x01\n\x0e\x45ncodeResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.modalmesh.v1.Embedding\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12(\n\x08modality\x18\x04 \x01(\x0e\x32\x16.modalmesh.v1.Modality2\x93\x01\n\x0e\x45ncoderService\x12\x43\n\x06\x45ncode\x12\x1b.modalmesh.v1.EncodeRequest\x1a\x1c.modalmesh.v1.EncodeResponse\x12<\n\x04Info\x12\x19.modalmesh.v1.InfoRequest\x1a\x19.modalmesh.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amodalmesh/v1/encoder.proto\x12\x0cmodalmesh.v1\x1a\x19modalmesh/v1/common.proto\x1a\x19modalmesh/v1/tensor.proto\"\xc1\x01\n\nEncodeItem\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12&\n\x06pixels\x18\x02 \x01(\x0b\x32\x14.modalmesh.v1.TensorH\x00\x12#\n\x03pcm\x18\x03 \x01(\x0b\x32\x14.modalmesh.v1.TensorH\x00\x12\x0f\n\x05video\x18\x07 \x01(\x0cH\x00\x12\x13\n\x0bsample_rate\x18\x04 \x01(\x05\x12\x12\n\nmin_pixels\x18\x05 \x01(\x03\x12\x12\n\nmax_pixels\x18\x06 \x01(\x03\x42\x08\n\x06source\"}\n\rEncodeRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.modalmesh.v1.EncodeItem\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12/\n\x08transfer\x18\x03 \x01(\x0b\x32\x1d.modalmesh.v1.TransferOptions\"I\n\x0fTransferOptions\x12\x11\n\tshm_probe\x18\x01 \x01(\t\x12\x11\n\tshm_nonce\x18\x02 \x01(\x0c\x12\x10\n\x08\x63uda_ipc\x18\x03 \x01(\x08\"\xaa\x01\n\tEmbedding\x12\'\n\tembedding\x18\x01 \x01(\x0b\x32\x14.modalmesh.v1.Tensor\x12\x10\n\x08grid_thw\x18\x02 \x03(\x03\x12\x1e\n\x16num_placeholder_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cvalid_length\x18\x04 \x01(\x03\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\x12\x19\n\x11second_per_grid_t\x18\x06 \x01(\x01\"\x96\x01\n\x0e\x45ncodeResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.modalmesh.v1.Embedding\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x03 \x01(\t\x12(\n\x08modality\x18\x04 \x01(\x0e\x32\x16.modalmesh.v1.Modality2\x93\x01\n\x0e\x45ncoderService\x12\x43\n\x06\x45ncode\x12\x1b.modalmesh.v1.EncodeRequest\x1a\x1c.modalmesh.v1.EncodeResponse\x12<\n\x04Info\x12\x19.modalmesh.v1.InfoRequest\x1a\x19.modalmesh.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'modalmesh.v1.encoder_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEITEM']._serialized_start=99
-  _globals['_ENCODEITEM']._serialized_end=275
-  _globals['_ENCODEREQUEST']._serialized_start=277
-  _globals['_ENCODEREQUEST']._serialized_end=402
-  _globals['_TRANSFEROPTIONS']._serialized_start=404
-  _globals['_TRANSFEROPTIONS']._serialized_end=477
-  _globals['_EMBEDDING']._serialized_start=480
-  _globals['_EMBEDDING']._serialized_end=623
-  _globals['_ENCODERESPONSE']._serialized_start=626
-  _globals['_ENCODERESPONSE']._serialized_end=776
-  _globals['_ENCODERSERVICE']._serialized_start=779
-  _globals['_ENCODERSERVICE']._serialized_end=926
+  _globals['_ENCODEITEM']._serialized_end=292
+  _globals['_ENCODEREQUEST']._serialized_start=294
+  _globals['_ENCODEREQUEST']._serialized_end=419
+  _globals['_TRANSFEROPTIONS']._serialized_start=421
+  _globals['_TRANSFEROPTIONS']._serialized_end=494
+  _globals['_EMBEDDING']._serialized_start=497
+  _globals['_EMBEDDING']._serialized_end=667
+  _globals['_ENCODERESPONSE']._serialized_start=670
+  _globals['_ENCODERESPONSE']._serialized_end=820
+  _globals['_ENCODERSERVICE']._serialized_start=823
+  _globals['_ENCODERSERVICE']._serialized_end=970
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeItem(_message.Message):
-    __slots__ = ("data", "pixels", "pcm", "sample_rate", "min_pixels", "max_pixels")
+    __slots__ = ("data", "pixels", "pcm", "video", "sample_rate", "min_pixels", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     PIXELS_FIELD_NUMBER: _ClassVar[int]
     PCM_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     pixels: _tensor_pb2.Tensor
     pcm: _tensor_pb2.Tensor
+    video: bytes
     sample_rate: int
     min_pixels: int
     max_pixels: int
-    def __init__(self, data: _Optional[bytes] = ..., pixels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., pcm: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rate: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., pixels: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., pcm: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., video: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("items", "request_id", "transfer")
@@ -44,18 +46,20 @@ class TransferOptions(_message.Message):
     def __init__(self, shm_probe: _Optional[str] = ..., shm_nonce: _Optional[bytes] = ..., cuda_ipc: bool = ...) -> None: ...
 
 class Embedding(_message.Message):
-    __slots__ = ("embedding", "grid_thw", "num_placeholder_tokens", "valid_length", "cache_hit")
+    __slots__ = ("embedding", "grid_thw", "num_placeholder_tokens", "valid_length", "cache_hit", "second_per_grid_t")
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VALID_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    SECOND_PER_GRID_T_FIELD_NUMBER: _ClassVar[int]
     embedding: _tensor_pb2.Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_placeholder_tokens: int
     valid_length: int
     cache_hit: bool
-    def __init__(self, embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_placeholder_tokens: _Optional[int] = ..., valid_length: _Optional[int] = ..., cache_hit: bool = ...) -> None: ...
+    second_per_grid_t: float
+    def __init__(self, embedding: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_placeholder_tokens: _Optional[int] = ..., valid_length: _Optional[int] = ..., cache_hit: bool = ..., second_per_grid_t: _Optional[float] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("embeddings", "model_id", "weights_fingerprint", "modality")

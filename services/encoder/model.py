@@ -31,6 +31,7 @@ class EncodedItem:
     embedding: torch.Tensor | None  # (rows, output_hidden_size); rows == placeholder tokens the LLM reserves
     grid_thw: tuple[int, ...] = ()
     valid_length: int = 0
+    second_per_grid_t: float = 0.0  # a video: seconds one temporal grid step spans (Qwen2.5-VL's positions)
     error: Exception | None = None  # this item alone failed in encode (e.g. its image did not decode there)
 
     @classmethod

@@ -175,7 +175,8 @@ class EncoderService(Service):
                     # counts exactly its bytes, not the whole batch's.
                     tensor = tensor.clone(memory_format=torch.contiguous_format)
                 meta = pb.Embedding(embedding=describe(tensor), grid_thw=list(r.grid_thw),
-                                    num_placeholder_tokens=int(tensor.shape[0]), valid_length=int(r.valid_length))
+                                    num_placeholder_tokens=int(tensor.shape[0]), valid_length=int(r.valid_length),
+                                    second_per_grid_t=float(r.second_per_grid_t))
                 answers.append(Answer(meta, tensor))
             devices = {a.tensor.device for a in answers if isinstance(a, Answer) and a.tensor.device.type == "cuda"}
             if devices:

@@ -41,15 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="... and this private key")
     add_security_arguments(parser, server=False)  # how the gateway calls the LLM and the VAE
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                        help="allow file:// image URLs for files under DIR (off by default)")
+                        help="allow file:// image and video URLs for files under DIR (off by default)")
     parser.add_argument("--allowed-media-domains", default=None, metavar="HOST,...",
-                        help="fetch http(s) image URLs whose host is one of these (exactly); off by default")
+                        help="fetch http(s) image and video URLs whose host is one of these (exactly); off by default")
     parser.add_argument("--allowed-media-networks", default=None, metavar="CIDR,...",
                         help="address ranges media URLs may reach although they are not public (private, loopback, "
                              "link-local: refused otherwise), e.g. 127.0.0.0/8 for images served on this host")
     parser.add_argument("--media-fetch-timeout", type=float, default=10.0,
-                        help="seconds one image URL may take to fetch, redirects included")
-    parser.add_argument("--max-media-redirects", type=int, default=3, help="redirects one image URL may take")
+                        help="seconds one image or video URL may take to fetch, redirects included")
+    parser.add_argument("--max-media-redirects", type=int, default=3, help="redirects one media URL may take")
     parser.add_argument("--low-detail-max-pixels", type=int, default=512 * 512,
                         help="pixel budget of an image sent with detail 'low' (high / auto: the checkpoint's)")
     parser.add_argument("--max-request-mb", type=float, default=64.0, help="largest HTTP request body")
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="request bodies being read and parsed at once, together; past it: 503 and Retry-After")
     parser.add_argument("--max-image-mb", type=float, default=20.0, help="largest image (decoded bytes)")
     parser.add_argument("--max-audio-mb", type=float, default=25.0, help="largest audio clip (decoded bytes)")
+    parser.add_argument("--max-video-mb", type=float, default=32.0,
+                        help="largest video file (decoded bytes); its frames are sampled by the vision encoder "
+                             "(--video-fps, --max-video-frames there)")
     parser.add_argument("--max-message-mb", type=int, default=256, help="largest gRPC message sent/received")
     parser.add_argument("--request-timeout", type=float, default=0.0,
                         help="deadline of a Generate call in seconds (0: none)")
@@ -89,6 +92,7 @@ class GatewayConfig:
     max_inflight_body_mb: float = 256.0
     max_image_mb: float = 20.0
     max_audio_mb: float = 25.0
+    max_video_mb: float = 32.0
     max_message_mb: int = 256
     request_timeout: float = 0.0  # 0: no deadline
     decode_timeout: float = 300.0
@@ -101,7 +105,7 @@ class GatewayConfig:
             raise ConfigError("give --llm TARGET (and/or --vae TARGET)")
         if self.more_llms and not self.llm:
             raise ConfigError("--more-llms needs --llm (the model of requests that name none)")
-        for flag in ("max_request_mb", "max_image_mb", "max_audio_mb"):
+        for flag in ("max_request_mb", "max_image_mb", "max_audio_mb", "max_video_mb"):
             if getattr(self, flag) <= 0:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be > 0")
         if self.fetch.timeout_s <= 0:
@@ -124,7 +128,7 @@ class GatewayConfig:
             ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, max_request_mb=args.max_request_mb,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
             max_inflight_body_mb=args.max_inflight_body_mb, max_image_mb=args.max_image_mb,
-            max_audio_mb=args.max_audio_mb, max_message_mb=args.max_message_mb,
+            max_audio_mb=args.max_audio_mb, max_video_mb=args.max_video_mb, max_message_mb=args.max_message_mb,
             request_timeout=args.request_timeout, decode_timeout=args.decode_timeout,
             fetch=fetch_policy(args), low_detail_max_pixels=args.low_detail_max_pixels,
         )

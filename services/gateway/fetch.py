@@ -1,4 +1,4 @@
-"""http(s) image URLs, fetched for the hosts an operator allows and nothing else (SSRF-safe).
+"""http(s) image and video URLs, fetched for the hosts an operator allows and nothing else (SSRF-safe).
 
     fetcher = MediaFetcher(FetchPolicy(domains=frozenset({"images.example.com"}), ...))
     fetcher.start()                       # inside the gateway's event loop
@@ -76,21 +76,21 @@ def parse_networks(text: str | None) -> tuple[IPNetwork, ...]:
     return tuple(out)
 
 
-def check_url(policy: FetchPolicy, url: str, *, what: str, param: str) -> None:
+def check_url(policy: FetchPolicy, url: str, *, what: str, param: str, kind: str = "image") -> None:
     """The checks that need no network: scheme, an allowed host, an IP literal's range. Parsing calls it
-    so a refused URL is a 400 before anything else happens."""
+    so a refused URL is a 400 before anything else happens. `kind`: "image" or "video", for the codes."""
     if not policy.enabled:
         raise bad_request(f"{what}: http(s) URLs are not fetched by this gateway unless it is started with "
-                          "--allowed-media-domains HOST,...; send the image inline as data:image/<type>;base64,...",
-                          param, "unsupported_image_url")
+                          f"--allowed-media-domains HOST,...; send the {kind} inline as data:{kind}/<type>;base64,...",
+                          param, f"unsupported_{kind}_url")
     try:
         parts = urlsplit(url)
         host = (parts.hostname or "").lower()
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError as exc:
-        raise bad_request(f"{what}: malformed URL ({exc})", param, "invalid_image_url") from None
+        raise bad_request(f"{what}: malformed URL ({exc})", param, f"invalid_{kind}_url") from None
     if parts.scheme.lower() not in ("http", "https") or not host:
-        raise bad_request(f"{what}: only http(s) URLs with a host are fetched", param, "invalid_image_url")
+        raise bad_request(f"{what}: only http(s) URLs with a host are fetched", param, f"invalid_{kind}_url")
     if host not in policy.domains:
         raise bad_request(f"{what}: host {host!r} is not in --allowed-media-domains", param,
                           "media_domain_not_allowed")
@@ -145,9 +145,9 @@ class MediaFetcher:
             await self._session.close()
             self._session = None
 
-    async def fetch(self, url: str, *, what: str, param: str, max_bytes: int) -> bytes:
+    async def fetch(self, url: str, *, what: str, param: str, max_bytes: int, kind: str = "image") -> bytes:
         """The body of `url` after at most max_redirects checked redirects; a 400 for anything refused."""
-        check_url(self.policy, url, what=what, param=param)
+        check_url(self.policy, url, what=what, param=param, kind=kind)
         assert self._session is not None, "MediaFetcher.start() first"
         try:
             async with asyncio.timeout(self.policy.timeout_s):
@@ -159,12 +159,12 @@ class MediaFetcher:
                                 raise bad_request(f"{what}: HTTP {response.status} without a Location", param,
                                                   "media_fetch_failed")
                             url = urljoin(url, location)
-                            check_url(self.policy, url, what=f"{what} (redirected)", param=param)
+                            check_url(self.policy, url, what=f"{what} (redirected)", param=param, kind=kind)
                             continue
                         if response.status != 200:
                             raise bad_request(f"{what}: the server answered HTTP {response.status}", param,
                                               "media_fetch_failed")
-                        return await _read(response, what=what, param=param, max_bytes=max_bytes)
+                        return await _read(response, what=what, param=param, max_bytes=max_bytes, kind=kind)
                 raise bad_request(f"{what}: more than {self.policy.max_redirects} redirects "
                                   "(--max-media-redirects)", param, "media_fetch_failed")
         except TimeoutError:
@@ -177,19 +177,20 @@ class MediaFetcher:
                               "media_fetch_failed") from None
 
 
-async def _read(response: aiohttp.ClientResponse, *, what: str, param: str, max_bytes: int) -> bytes:
+async def _read(response: aiohttp.ClientResponse, *, what: str, param: str, max_bytes: int,
+                kind: str = "image") -> bytes:
     declared = response.content_length
     if declared is not None and declared > max_bytes:
         raise bad_request(f"{what} is {declared} bytes; this server accepts at most {max_bytes} bytes", param,
-                          "image_too_large")
+                          f"{kind}_too_large")
     body = bytearray()
     async for chunk in response.content.iter_chunked(1 << 16):
         body += chunk
         if len(body) > max_bytes:  # no or a false Content-Length (or a compressed body): stop reading
             raise bad_request(f"{what} is more than {max_bytes} bytes; this server accepts at most {max_bytes} bytes",
-                              param, "image_too_large")
+                              param, f"{kind}_too_large")
     if not body:
-        raise bad_request(f"{what}: the server sent no data", param, "invalid_image")
+        raise bad_request(f"{what}: the server sent no data", param, f"invalid_{kind}")
     return bytes(body)
 
 

@@ -1,14 +1,18 @@
-"""Image and audio inputs of OpenAI requests -> raw bytes for the LLM's encoder pools.
+"""Image, video and audio inputs of OpenAI requests -> raw bytes for the LLM's encoder pools.
 
 * ``image_url``: ``data:image/<type>;base64,<data>`` URLs; ``file://`` URLs only
   under ``--allowed-local-media-path``; http(s) URLs only for the hosts of
   ``--allowed-media-domains``, fetched by ``fetch.py`` (SSRF checks there); ``detail``
   ``low`` asks for a smaller pixel budget (``--low-detail-max-pixels``).
+* ``video_url`` (vLLM's extension): ``data:video/<type>;base64,<data>``, ``file://`` and http(s)
+  URLs as for images, under ``--max-video-mb``. The file goes to the vision encoder as it is: the
+  encoder decodes it and samples its frames (``--video-fps``, ``--max-video-frames``; see
+  services/vision_encoder/video.py), so only the compressed bytes travel.
 * ``input_audio``: ``{"data": <base64>, "format": "wav" | "mp3" | "flac" | "ogg"}``,
   as the OpenAI schema has it (a ``data:audio/...;base64,`` prefix is tolerated).
 
 Sizes are checked on the base64 length before anything is decoded. The bytes
-themselves are checked by the encoder (format, pixel and duration limits), whose
+themselves are checked by the encoder (format, pixel, frame and duration limits), whose
 INVALID_ARGUMENT comes back to the client as a 400.
 """
 
@@ -62,7 +66,8 @@ def parse_data_url(url: str, *, what: str, param: str, kind: str, max_bytes: int
     return _b64decode(payload, what=what, param=param, max_bytes=max_bytes, code=kind)
 
 
-def read_file_url(url: str, *, what: str, param: str, root: Path | None, max_bytes: int) -> bytes:
+def read_file_url(url: str, *, what: str, param: str, root: Path | None, max_bytes: int,
+                  kind: str = "image") -> bytes:
     """``file:///abs/path`` under the allowed root -> bytes."""
     if root is None:
         raise bad_request(f"{what}: file:// URLs are disabled; start the gateway with --allowed-local-media-path DIR "
@@ -70,20 +75,20 @@ def read_file_url(url: str, *, what: str, param: str, root: Path | None, max_byt
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise bad_request(f"{what}: file URL with host {parts.netloc!r}; use file:///absolute/path", param,
-                          "invalid_image_url")
+                          f"invalid_{kind}_url")
     path = Path(unquote(parts.path))
     try:
         resolved = path.resolve(strict=True)
     except (OSError, RuntimeError):
-        raise bad_request(f"{what}: {path} does not exist", param, "invalid_image_url") from None
+        raise bad_request(f"{what}: {path} does not exist", param, f"invalid_{kind}_url") from None
     if not resolved.is_relative_to(root) or not resolved.is_file():
-        raise bad_request(f"{what}: {path} is not a file under the allowed media path", param, "invalid_image_url")
+        raise bad_request(f"{what}: {path} is not a file under the allowed media path", param, f"invalid_{kind}_url")
     size = resolved.stat().st_size
     if size > max_bytes:
         raise bad_request(f"{what} is {size} bytes; this server accepts at most {max_bytes} bytes", param,
-                          "image_too_large")
+                          f"{kind}_too_large")
     if not os.access(resolved, os.R_OK):
-        raise bad_request(f"{what}: {path} is not readable", param, "invalid_image_url")
+        raise bad_request(f"{what}: {path} is not readable", param, f"invalid_{kind}_url")
     return resolved.read_bytes()
 
 
@@ -129,6 +134,40 @@ def image_input(part: dict, *, param: str, max_bytes: int, local_root: Path | No
         return ImageInput(None, url, param_url, detail)
     raise bad_request(f"{what}: unsupported URL (expected data:image/<type>;base64,...)", param_url,
                       "invalid_image_url")
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """A ``video_url`` part: its bytes, or the http(s) URL to fetch them from (checked already)."""
+    data: bytes | None
+    url: str | None
+    param: str  # the request path of the URL, for errors
+
+
+def video_input(part: dict, *, param: str, max_bytes: int, local_root: Path | None,
+                fetch: FetchPolicy = FetchPolicy()) -> VideoInput:
+    """The video of a ``video_url`` content part (vLLM's form); an http(s) URL is checked against `fetch` (no
+    network) and left for the gateway to fetch."""
+    spec = part.get("video_url")
+    if isinstance(spec, dict):
+        url, param_url = spec.get("url"), f"{param}.video_url.url"
+    else:  # as for images, the URL as a bare string
+        url, param_url = spec, f"{param}.video_url"
+    if not isinstance(url, str) or not url:
+        raise bad_request("video_url part needs video_url.url (a data:video/<type>;base64,... URL)", param_url,
+                          "invalid_video_url")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return VideoInput(parse_data_url(url, what=param_url, param=param_url, kind="video", max_bytes=max_bytes),
+                          None, param_url)
+    if scheme == "file":
+        return VideoInput(read_file_url(url, what=param_url, param=param_url, root=local_root, max_bytes=max_bytes,
+                                        kind="video"), None, param_url)
+    if scheme in ("http", "https"):
+        check_url(fetch, url, what=param_url, param=param_url, kind="video")
+        return VideoInput(None, url, param_url)
+    raise bad_request(f"{param_url}: unsupported URL (expected data:video/<type>;base64,...)", param_url,
+                      "invalid_video_url")
 
 
 def audio_bytes(part: dict, *, param: str, max_bytes: int) -> bytes:

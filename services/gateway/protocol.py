@@ -23,7 +23,7 @@ from modalmesh import pb
 from services.gateway import tools as tools_mod
 from services.gateway.errors import bad_request
 from services.gateway.fetch import FetchPolicy
-from services.gateway.media import audio_bytes, image_input, parse_data_url
+from services.gateway.media import audio_bytes, image_input, parse_data_url, video_input
 
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -37,15 +37,18 @@ class Limits:
     local_media_root: Path | None = None
     fetch: FetchPolicy = FetchPolicy()  # which http(s) image URLs may be fetched (services/gateway/fetch.py)
     low_detail_max_pixels: int = 512 * 512  # --low-detail-max-pixels: an image's budget at detail "low"
+    max_video_bytes: int = 32 << 20  # --max-video-mb
 
 
 @dataclass(frozen=True)
 class MediaFetch:
-    """An http(s) image the gateway fetches before the call: its bytes go to chat.messages[message].content[part]."""
+    """An http(s) image or video the gateway fetches before the call: its bytes go to
+    chat.messages[message].content[part]'s item (its data, or its video)."""
     url: str
     param: str
     message: int
     part: int
+    kind: str = "image"  # "image" | "video"
 
 
 @dataclass
@@ -386,6 +389,13 @@ def _content_parts(content, m: int, limits: Limits, item_params: list[str],
             if image.url is not None:
                 fetches.append(MediaFetch(image.url, image.param, m, len(parts)))
             parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.IMAGE, input=item)))
+        elif kind == "video_url":  # vLLM's extension: the vision encoder decodes it and samples its frames
+            video = video_input(part, param=pj, max_bytes=limits.max_video_bytes, local_root=limits.local_media_root,
+                                fetch=limits.fetch)
+            if video.url is not None:
+                fetches.append(MediaFetch(video.url, video.param, m, len(parts), kind="video"))
+            parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.VIDEO,
+                                                               input=pb.EncodeItem(video=video.data or b""))))
         elif kind == "input_audio":
             data = audio_bytes(part, param=pj, max_bytes=limits.max_audio_bytes)
             parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=data))))
@@ -398,7 +408,8 @@ def _content_parts(content, m: int, limits: Limits, item_params: list[str],
                                   max_bytes=limits.max_audio_bytes)
             parts.append(pb.ContentPart(item=pb.MultimodalItem(modality=pb.AUDIO, input=pb.EncodeItem(data=data))))
         else:
-            raise bad_request(f"content part type {kind!r} is not supported; use text, image_url or input_audio",
+            raise bad_request(f"content part type {kind!r} is not supported; use text, image_url, video_url or "
+                              "input_audio",
                               f"{pj}.type", "unsupported_content_type")
     return parts
 

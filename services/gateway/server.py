@@ -103,7 +103,8 @@ class Gateway:
         self.limits = protocol.Limits(max_image_bytes=int(config.max_image_mb * MiB),
                                       max_audio_bytes=int(config.max_audio_mb * MiB),
                                       local_media_root=config.local_media_root, fetch=config.fetch,
-                                      low_detail_max_pixels=config.low_detail_max_pixels)
+                                      low_detail_max_pixels=config.low_detail_max_pixels,
+                                      max_video_bytes=int(config.max_video_mb * MiB))
         self.fetcher = MediaFetcher(config.fetch)
         max_message = config.max_message_mb * MiB
         security = config.security
@@ -353,12 +354,18 @@ class Gateway:
             call.cancel()  # no-op once the call finished; a client gone mid-request aborts it (KV freed)
 
     async def _fetch_media(self, parsed: protocol.ParsedRequest) -> None:
-        """The request's http(s) images, fetched concurrently into their items (a 400 names a refused one)."""
-        max_bytes = self.limits.max_image_bytes
-        bodies = await fetch_all(self.fetcher.fetch(f.url, what=f.param, param=f.param, max_bytes=max_bytes)
+        """The request's http(s) images and videos, fetched concurrently into their items (a 400 names a refused
+        one)."""
+        limits = {"image": self.limits.max_image_bytes, "video": self.limits.max_video_bytes}
+        bodies = await fetch_all(self.fetcher.fetch(f.url, what=f.param, param=f.param, max_bytes=limits[f.kind],
+                                                    kind=f.kind)
                                  for f in parsed.fetches)
         for f, data in zip(parsed.fetches, bodies):
-            parsed.grpc.chat.messages[f.message].content[f.part].item.input.data = data
+            item = parsed.grpc.chat.messages[f.message].content[f.part].item.input
+            if f.kind == "video":
+                item.video = data
+            else:
+                item.data = data
 
     @staticmethod
     async def _read(call, item_params: list[str]):

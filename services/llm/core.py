@@ -149,6 +149,7 @@ class EngineCore:
         self.tokenizer = None
         self.spatial_merge = 2
         self.image_grid: ImageGrid | None = None  # counts raw images' rows before they are encoded
+        self.tokens_per_second: float | None = None  # Qwen2.5-VL: its video positions are time-scaled
         self._grammars = None  # services.llm.structured.GrammarCompiler, made on the first structured request
         self.item_shapes = ItemShapes()  # what earlier encodes returned, by item digest (prefix cache lookups)
         self.sink = LinkSink(sender, self._token_text)
@@ -224,6 +225,8 @@ class EngineCore:
             vision = ModelConfig.from_hf(config.model_dir, part="vision")
             self.spatial_merge = int(vision.get("spatial_merge_size", 2))
             self.image_grid = _image_grid(config.model_dir, vision, self.spatial_merge)
+            if "Qwen2_5_VLForConditionalGeneration" in self.runner.model_config.architectures:
+                self.tokens_per_second = vision.get("tokens_per_second", 4)  # Qwen2_5_VLVisionConfig's default
         eos = tuple(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos += (self.tokenizer.eos_token_id,)
@@ -348,7 +351,8 @@ class EngineCore:
             if params.structured is not None:  # compiled in a worker thread (cached): never on the engine thread
                 grammar = await self._grammar_compiler().compile(params.structured)
             prompt = splice_items(ids, embeddings, cfg, uses_mrope=self.runner.uses_mrope,
-                                  spatial_merge=self.spatial_merge)
+                                  spatial_merge=self.spatial_merge, tokens_per_second=self.tokens_per_second)
+            _check_positions(prompt, params.max_tokens, self.config.max_model_len)
             for span in prompt.spans:
                 if span.embedding is not None:
                     span.embedding = span.embedding.to(self.device, self.dtype)
@@ -376,9 +380,10 @@ class EngineCore:
         for item, emb, digest in zip(items, embeddings, digests):
             if emb is None:
                 shape = self.item_shapes.get(digest)
-                emb = Embedding(None, item.modality, shape.grid_thw, num_placeholder_tokens=shape.rows)
+                emb = Embedding(None, item.modality, shape.grid_thw, num_placeholder_tokens=shape.rows,
+                                second_per_grid_t=shape.second_per_grid_t)
             else:
-                self.item_shapes.put(digest, ItemShape(emb.rows, emb.grid_thw))
+                self.item_shapes.put(digest, ItemShape(emb.rows, emb.grid_thw, emb.second_per_grid_t))
             out.append(dataclasses.replace(emb, digest=digest))
         return out
 
@@ -392,6 +397,21 @@ class EngineCore:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _check_positions(prompt, max_tokens: int, max_model_len: int) -> None:
+    """A prompt whose M-RoPE positions run ahead of its tokens (Qwen2.5-VL video sampled sparsely: time-scaled
+    steps wider than a frame's rows) continues decoding at positions past its token count: they must stay
+    within the model's length, which the rotary tables cover."""
+    if prompt.mrope is None or prompt.mrope_delta <= 0:
+        return
+    length = len(prompt.token_ids)
+    last = length + prompt.mrope_delta + (max_tokens or max_model_len - length) - 1
+    if last >= max_model_len:
+        raise InvalidArgument(f"the prompt's video positions run {prompt.mrope_delta} ahead of its {length} tokens: "
+                              f"with {'max_tokens ' + str(max_tokens) if max_tokens else 'its output'} they would "
+                              f"reach position {last}; this model's limit is {max_model_len} (ask for fewer tokens, "
+                              "or a denser video)")
 
 
 def _image_grid(model_dir, vision: ModelConfig, merge: int) -> ImageGrid:

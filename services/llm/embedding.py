@@ -28,6 +28,7 @@ class Embedding:
     grid_thw: tuple[int, ...] = ()
     valid_length: int = 0
     num_placeholder_tokens: int = 0  # 0: not stated; otherwise it must equal the rows
+    second_per_grid_t: float = 0.0  # a video: seconds one temporal grid step spans (Qwen2.5-VL's positions)
     digest: bytes = b""  # names the item's content for the prefix cache (services/llm/item_digest.py)
 
     @property
@@ -38,7 +39,7 @@ class Embedding:
     def of(cls, message: pb.Embedding, tensor: torch.Tensor, modality: int) -> "Embedding":
         """`tensor` with the rest of `message` (an encoder's or a client's pb.Embedding)."""
         return cls(tensor, modality, tuple(int(d) for d in message.grid_thw), int(message.valid_length),
-                   int(message.num_placeholder_tokens))
+                   int(message.num_placeholder_tokens), float(message.second_per_grid_t))
 
     def check(self, index: int, hidden_size: int) -> None:
         """What the splicer needs: float rows of the model's width, finite, as many as stated."""

@@ -1,4 +1,4 @@
-"""The LLM's fan-out to the encoder pools: raw image / audio items -> embeddings.
+"""The LLM's fan-out to the encoder pools: raw image / audio / video items -> embeddings (video: the vision pool).
 
 Each item of a request is sent as its own Encode call, all concurrently, so a
 round_robin channel spreads one request's images over the replicas. The
@@ -39,7 +39,9 @@ from services.llm.embedding import FLOAT_WIRE, Embedding, from_client
 
 log = logging.getLogger(__name__)
 
-FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder"}
+FLAGS = {pb.IMAGE: "--vision-encoder", pb.AUDIO: "--audio-encoder", pb.VIDEO: "--vision-encoder"}
+# The pool each modality's raw items go to: video to the vision encoder, which answers as IMAGE.
+POOL_MODALITY = {pb.IMAGE: pb.IMAGE, pb.AUDIO: pb.AUDIO, pb.VIDEO: pb.IMAGE}
 _MAX_ATTEMPTS = 4
 
 
@@ -170,13 +172,13 @@ class EncoderFanout:
         if not todo:
             return out
         for i, item in todo:
-            if item.modality not in self.pools:
+            if POOL_MODALITY.get(item.modality) not in self.pools:
                 flag = FLAGS.get(item.modality, "an encoder flag")
                 raise FailedPrecondition(f"items[{i}]: raw input needs an encoder pool, and this LLM service was "
                                          f"started without {flag}; send a precomputed embedding instead")
         budget = timeout if timeout is not None else self.default_timeout
         started = time.perf_counter()
-        tasks = [asyncio.ensure_future(self.pools[item.modality].encode_one(item.input, i, budget))
+        tasks = [asyncio.ensure_future(self.pools[POOL_MODALITY[item.modality]].encode_one(item.input, i, budget))
                  for i, item in todo]
         try:
             replies = await asyncio.gather(*tasks)
@@ -195,7 +197,7 @@ class EncoderFanout:
         if len(reply.embeddings) != 1:
             raise ModalmeshError(f"items[{index}]: the {name} encoder returned {len(reply.embeddings)} embeddings "
                                  "for one item")
-        if reply.modality not in (modality, pb.MODALITY_UNSPECIFIED):
+        if reply.modality not in (POOL_MODALITY[modality], pb.MODALITY_UNSPECIFIED):
             raise FailedPrecondition(f"items[{index}]: {FLAGS[modality]} points at a "
                                      f"{pb.Modality.Name(reply.modality).lower()} encoder")
         if self.check_fingerprint and reply.weights_fingerprint != self.fingerprint:

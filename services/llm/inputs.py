@@ -21,7 +21,7 @@ from modalmesh.config import ModelConfig
 from modalmesh.errors import InvalidArgument
 from modalmesh.image_grid import ImageGrid
 from services.llm.embedding import Embedding
-from services.llm.mrope import mrope_positions
+from services.llm.mrope import VisionSpan, mrope_positions
 
 
 @dataclass
@@ -32,6 +32,7 @@ class MultimodalSpan:
     modality: int = pb.IMAGE
     rows: int = 0
     digest: bytes = b""  # the item's content digest: its rows' prefix-cache keys take it
+    second_per_grid_t: float = 0.0  # a video: seconds one temporal grid step spans (Qwen2.5-VL's positions)
 
     def __post_init__(self):
         if self.embedding is not None:
@@ -50,9 +51,9 @@ class PreparedPrompt:
     mrope_delta: int = 0
 
 
-# Video positions as HF computes them for Qwen2-VL: frames one temporal position apart (mrope.py). Qwen2.5-VL
-# spaces them by seconds per grid step, which needs the frame rate: not taken yet, so its video is refused.
-VIDEO_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration"})
+# Video positions as HF's get_rope_index computes them (mrope.py): Qwen2-VL's temporal grid steps one position
+# apart, Qwen2.5-VL's tokens_per_second x the seconds each step spans (the item's second_per_grid_t) apart.
+VIDEO_ARCHITECTURES = frozenset({"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"})
 
 
 def placeholder_ids(cfg: ModelConfig) -> dict[int, int]:
@@ -197,10 +198,13 @@ def check_modalities(items: list[pb.MultimodalItem] | list[Embedding], cfg: Mode
         if item.modality not in placeholders:
             name = pb.Modality.Name(item.modality) if item.modality in pb.Modality.values() else item.modality
             raise InvalidArgument(f"items[{i}]: this model takes no {name} input")
-        raw = isinstance(item, pb.MultimodalItem) and item.WhichOneof("source") != "embedding"
-        if item.modality == pb.VIDEO and raw:
-            raise InvalidArgument(f"items[{i}]: video is taken as a precomputed embedding only (no encoder takes raw "
-                                  "video yet)")
+        if not isinstance(item, pb.MultimodalItem) or item.WhichOneof("source") != "input":
+            continue
+        source = item.input.WhichOneof("source")
+        if (item.modality == pb.VIDEO) != (source == "video"):
+            want = "EncodeItem.video (an encoded video file)" if item.modality == pb.VIDEO else "no video"
+            raise InvalidArgument(f"items[{i}]: a raw {pb.Modality.Name(item.modality)} item takes {want}, not "
+                                  f"{source or 'nothing'}")
 
 
 def _placeholder_runs(ids: list[int], items: list[pb.MultimodalItem] | list[Embedding],
@@ -271,9 +275,11 @@ def _rows_before_encoding(item: pb.MultimodalItem, length: int, grid: ImageGrid 
 
 
 def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
-                 *, uses_mrope: bool, spatial_merge: int = 2) -> PreparedPrompt:
+                 *, uses_mrope: bool, spatial_merge: int = 2, tokens_per_second: float | None = None) -> PreparedPrompt:
     """Match each item's embedding to its placeholder run, expand runs of one, check counts, compute
-    M-RoPE positions. `embeddings` are the request's items, in order, as the fan-out resolved them."""
+    M-RoPE positions. `embeddings` are the request's items, in order, as the fan-out resolved them.
+    `tokens_per_second`: Qwen2.5-VL's (its vision config's), whose video positions are time-scaled; None:
+    Qwen2-VL's, whose are not."""
     placeholders = placeholder_ids(cfg)
     check_modalities(embeddings, cfg)
     by_modality = _placeholder_runs(ids, embeddings, placeholders)
@@ -294,24 +300,41 @@ def splice_items(ids: list[int], embeddings: list[Embedding], cfg: ModelConfig,
     cursor = 0
     for start, length, item in pairs:
         out += ids[cursor:start]
-        spans.append(MultimodalSpan(len(out), item.tensor, item.grid_thw, item.modality, item.rows, item.digest))
+        spans.append(MultimodalSpan(len(out), item.tensor, item.grid_thw, item.modality, item.rows, item.digest,
+                                    item.second_per_grid_t))
         out += [placeholders[item.modality]] * item.rows
         cursor = start + length
     out += ids[cursor:]
     prepared = PreparedPrompt(out, spans)
     if uses_mrope:
-        image_spans = []
+        vision_spans = []
         for span in spans:
             if span.modality not in (pb.IMAGE, pb.VIDEO):
                 continue
             grid = span.grid_thw
+            kind = "video" if span.modality == pb.VIDEO else "image"
             if len(grid) != 3 or min(grid) <= 0 or grid[0] * (grid[1] // spatial_merge) * (grid[2] // spatial_merge) != span.rows:
-                kind = "video" if span.modality == pb.VIDEO else "image"
                 raise InvalidArgument(f"{kind} at token {span.start}: grid_thw {list(grid)} does not describe its "
                                       f"{span.rows} rows (merge {spatial_merge})")
-            image_spans.append((span.start, grid))
-        prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), image_spans, spatial_merge)
+            vision_spans.append(VisionSpan(span.start, grid, _time_interval(span, tokens_per_second)))
+        prepared.mrope, prepared.mrope_delta = mrope_positions(len(out), vision_spans, spatial_merge)
     return prepared
+
+
+MAX_SECOND_PER_GRID_T = 3600.0  # an hour a temporal step: a video sampled more sparsely than this is no video
+
+
+def _time_interval(span: MultimodalSpan, tokens_per_second: float | None) -> float | None:
+    """The temporal position step of a video's grid steps, as get_rope_index computes it (None: 1, unscaled)."""
+    if span.modality != pb.VIDEO or tokens_per_second is None:
+        return None
+    seconds = span.second_per_grid_t
+    if not 0 < seconds <= MAX_SECOND_PER_GRID_T:  # NaN too
+        raise InvalidArgument(f"video at token {span.start}: second_per_grid_t {seconds:g} (seconds one temporal grid "
+                              f"step spans) must be in (0, {MAX_SECOND_PER_GRID_T:g}]: this model's video positions "
+                              "are scaled by it")
+    # In float32, as HF multiplies the processor's float32 second_per_grid_ts by the config's tokens_per_second.
+    return float(torch.tensor(seconds, dtype=torch.float32) * tokens_per_second)
 
 
 def expand_known_items(ids: list[int], items: list[pb.MultimodalItem], rows: list[int | None],

@@ -10,7 +10,10 @@ never read, only its cached K/V. The hold stays with the request to its end, so
 a preempted request finds those pages again when it is recomputed.
 
 A digest covers the item as sent (content and every field that changes its rows:
-pixel budget, sample rate, a precomputed embedding's bytes, shape and grid). The
+pixel budget, sample rate, a video file's bytes, a precomputed embedding's bytes, shape, grid and
+seconds per grid step). A video's frames are sampled by the vision encoder's --video-fps and
+--max-video-frames, which are not in the item: the encoders behind one LLM share them (a change
+of them is a restart of the LLM too, whose cache would otherwise hold rows sampled the old way). The
 encoders are checked to serve this LLM's checkpoint, so the same item gives the
 same rows.
 """
@@ -46,6 +49,7 @@ async def item_digests(items: list[pb.MultimodalItem]) -> list[bytes]:
 class ItemShape:
     rows: int
     grid_thw: tuple[int, ...] = ()
+    second_per_grid_t: float = 0.0  # a video's (Qwen2.5-VL's positions need it when its rows are cached)
 
 
 class ItemShapes:

@@ -50,15 +50,16 @@ class DecodeBudget:
         self._cond = threading.Condition()
 
     @contextmanager
-    def hold(self, nbytes: int, where: str, wait_s: float | None = None):
+    def hold(self, nbytes: int, where: str, wait_s: float | None = None, what: str = "image"):
         """`wait_s`: how long to wait for room (None: the budget's own; 0: take it now or refuse)."""
         if nbytes > self.capacity:
-            raise InvalidArgument(f"{where}: decoding this image would take about {nbytes / MiB:.0f} MiB; the "
+            raise InvalidArgument(f"{where}: decoding this {what} would take about {nbytes / MiB:.0f} MiB; the "
                                   f"server decodes at most {self.capacity / MiB:.0f} MiB at once (--decode-memory-mb)")
         with self._cond:
             if not self._cond.wait_for(lambda: self.held + nbytes <= self.capacity,
                                        timeout=self.wait_s if wait_s is None else wait_s):
-                raise ResourceExhausted(f"{where}: the server is busy decoding other large images; try again")
+                raise ResourceExhausted(f"{where}: the server is busy decoding other large images or videos; "
+                                        "try again")
             self.held += nbytes
         try:
             yield

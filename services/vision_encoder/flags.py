@@ -20,6 +20,13 @@ IMAGE_DECODERS = ("auto", "pil", "nvimgcodec")  # device_decode.CHOICES (kept he
 # Room for SigLIP-so400m's best batch on an H200 (32 images of 729 patches, bench/vision.py) and for
 # 32 Qwen2-VL images of 448² (1024 patches each); the shared default (16384) stopped SigLIP at 22.
 MAX_BATCH_TOKENS = 32768  # where resize / normalise / patchify run (device_preprocess.py)
+# Video (video.py): frames sampled a second as vLLM and qwen-vl-utils sample Qwen2-VL video (transformers'
+# Qwen2VLVideoProcessor leaves sampling off unless asked), at most this many (its max_frames is 768: a
+# video of 768 frames at its pixel budget is over 70,000 tokens), from at most this long a video.
+DEFAULT_VIDEO_FPS = 2.0
+DEFAULT_MAX_VIDEO_FRAMES = 64
+DEFAULT_MAX_VIDEO_SECONDS = 600.0
+MAX_SOURCE_FPS = 240.0  # frames a second a video may hold: decoding work is bounded by its seconds x this
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where images are resized, normalised and patchified: cpu (exactly as HF's PIL "
                              "processors), device (uint8 uploaded, torch on the encoder's device; within a "
                              "stated tolerance of cpu), auto (device when the encoder runs on CUDA)")
+    parser.add_argument("--video-fps", type=float, default=DEFAULT_VIDEO_FPS,
+                        help="video (Qwen2-VL / Qwen2.5-VL): frames sampled per second of video, by the rule of "
+                             "transformers' Qwen2VLVideoProcessor.sample_frames (needs the extra modalmesh[video])")
+    parser.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_VIDEO_FRAMES,
+                        help="video: most frames sampled from one video (rounded down to a multiple of the "
+                             "temporal patch, 2); a longer video is sampled more sparsely")
+    parser.add_argument("--max-video-seconds", type=float, default=DEFAULT_MAX_VIDEO_SECONDS,
+                        help="video: longest video accepted, by its header, refused before any frame is decoded")
     parser.add_argument("--image-decode", default="auto", choices=IMAGE_DECODERS,
                         help="who decodes JPEGs on the device preprocessing path: nvimgcodec (nvJPEG on the "
                              "encoder's GPU, the optional extra modalmesh[nvimgcodec]; within a stated tolerance "

@@ -17,6 +17,12 @@ concatenated (never stacked, resolutions mix freely), SigLIP images stacked (fix
 resolution) - and returns one `EncodedItem` per input whose rows stay on the model's
 device in the serving dtype (views of the batch output; the transport copies them off).
 
+A video item (`EncodeItem.video`, Qwen2-VL / Qwen2.5-VL towers only) is decoded and its frames
+sampled in `prepare` (video.py: PyAV, HF's sampling rules) and preprocessed there on the CPU, on either
+path, exactly as the PIL path does images, frame by frame (preprocess.video_patches): its grid has
+t = frames / temporal_patch_size, and its answer says the seconds one temporal step spans (Qwen2.5-VL's
+positions). On the device path a batch holding videos runs its images and its videos as two forwards.
+
 Rows per item: Qwen2-VL / Qwen2.5-VL, the merged patches ``t*h*w / merge^2`` in the LLM's
 width (= the placeholder tokens the LLM reserves); SigLIP, by ``siglip_output``, the
 patch embeddings (last hidden state after post_layernorm, default), the pooled
@@ -36,7 +42,7 @@ from PIL import Image
 
 from modalmesh import pb
 from modalmesh.config import ModelConfig
-from modalmesh.errors import ConfigError, ModalmeshError
+from modalmesh.errors import ConfigError, InvalidArgument, ModalmeshError
 from modalmesh.models import build_and_load, pick
 from modalmesh.batch_graphs import BatchGraphs
 from modalmesh.staging import HostStaging
@@ -45,6 +51,7 @@ from services.vision_encoder import device_decode as dd
 from services.vision_encoder import device_preprocess as dp
 from services.vision_encoder import flags as vision_flags
 from services.vision_encoder import preprocess as pp
+from services.vision_encoder import video as vd
 from services.vision_encoder.decode_memory import (
     DEFAULT_DECODE_MEMORY,
     DEFAULT_MAX_DECODED_BYTES,
@@ -69,6 +76,10 @@ DEFAULT_OPTIONS = {
     # The batcher's limits: graphs are captured for the batch sizes it can form, no larger.
     "max_batch_items": encoder_flags.MAX_BATCH_ITEMS,
     "max_batch_tokens": vision_flags.MAX_BATCH_TOKENS,
+    # Video (Qwen2-VL / Qwen2.5-VL): frames sampled a second, at most this many, from at most this long a video.
+    "video_fps": vd.DEFAULT_VIDEO_FPS,
+    "max_video_frames": vd.DEFAULT_MAX_VIDEO_FRAMES,
+    "max_video_seconds": vd.DEFAULT_MAX_VIDEO_SECONDS,
 }
 
 
@@ -105,6 +116,8 @@ class VisionEncoderModel(EncoderModel):
         self.hidden_size = self.tower.dim if self.native else self.tower.hidden_size
         self.output_hidden_size = self.tower.out_hidden_size
         self.processor = self._processor(cls)
+        # Video: the video processor's parameters (its own config file, else the image processor's) and sampling.
+        self.video_processor, self.video_sampling = self._video_processor() if self.native else (None, None)
         limit = int(self.options["max_request_pixels"]) or (self.processor.max_pixels if self.native else 0)
         self.max_request_pixels = limit
         self.decode_budget = DecodeBudget(int(self.options["decode_memory_bytes"]))
@@ -135,6 +148,24 @@ class VisionEncoderModel(EncoderModel):
         return min(int(self.options["max_batch_items"]),
                    max(1, int(self.options["max_batch_tokens"]) // self.tower.num_patches))
 
+    def _video_processor(self) -> tuple[pp.ImageProcessorConfig, vd.VideoSampling]:
+        tower = self.tower
+        proc = pp.video_processor_config(self.model_dir, patch_size=tower.patch_size,
+                                         temporal_patch_size=tower.temporal_patch_size, merge_size=tower.merge)
+        got = (proc.patch_size, proc.temporal_patch_size, proc.merge_size)
+        want = (tower.patch_size, tower.temporal_patch_size, tower.merge)
+        if got != want:
+            raise ConfigError(f"{self.model_dir}: the video processor's config gives {got} but the tower's says {want}")
+        # The processor's own min_frames / max_frames where its config names them (the flag caps max_frames too).
+        raw = pp.video_processor_dict(self.model_dir)
+        cap = int(self.options["max_video_frames"])
+        sampling = vd.VideoSampling(fps=float(self.options["video_fps"]),
+                                    min_frames=int(raw.get("min_frames") or vd.DEFAULT_MIN_FRAMES),
+                                    max_frames=min(cap, int(raw.get("max_frames") or cap)),
+                                    max_seconds=float(self.options["max_video_seconds"]))
+        sampling.check(proc.temporal_patch_size)
+        return proc, sampling
+
     def _processor(self, cls) -> pp.ImageProcessorConfig:
         tower = self.tower
         if self.native:
@@ -157,14 +188,25 @@ class VisionEncoderModel(EncoderModel):
     def cache_key(self, item: pb.EncodeItem, index: int) -> bytes:
         """Content + pixel budget + everything fixed at load time: known before decoding."""
         params = b""
-        if self.native:
+        if item.WhichOneof("source") == "video":
+            self._check_takes_video(index)
+            params = b"video:" + self.video_processor.digest() + self.video_sampling.key()
+        elif self.native:
             lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
             params = f"{lo}:{hi}".encode()
         return hashlib.sha256(self._key_base + params + pp.content_digest(item)).digest()
 
+    def _check_takes_video(self, index: int) -> None:
+        if not self.native:
+            raise InvalidArgument(f"items[{index}]: video input is for Qwen2-VL / Qwen2.5-VL vision towers; this "
+                                  f"encoder serves {self.architecture} ({type(self.tower).__name__}), which takes "
+                                  "images only")
+
     def prepare(self, item: pb.EncodeItem, index: int, key: bytes | None = None) -> PreparedItem:
         where = f"items[{index}]"
         key = key if key is not None else self.cache_key(item, index)
+        if item.WhichOneof("source") == "video":
+            return self._prepare_video(item, index, key)
         if self.native:
             lo, hi = pp.pixel_budget(self.processor, item, index, self.max_request_pixels)
         max_pixels = int(self.options["max_image_pixels"])
@@ -190,6 +232,30 @@ class VisionEncoderModel(EncoderModel):
             del image
         return PreparedItem(inputs={"pixel_values": torch.from_numpy(pixels)}, cost=self.tower.num_patches,
                             cache_key=key, meta={})
+
+    def _prepare_video(self, item: pb.EncodeItem, index: int, key: bytes) -> PreparedItem:
+        """A video's sampled frames, preprocessed on the CPU (on either path) into pixel_values_videos rows."""
+        where = f"items[{index}]"
+        self._check_takes_video(index)
+        cfg = self.video_processor
+        target: list[tuple[int, int]] = []  # the frames' size once resized: known before decoding
+
+        def hold(frames: int, height: int, width: int):
+            size = pp.video_size(height, width, cfg, where)
+            target.append(size)
+            # The processed frames (float32) and their patches, and one decoded frame with its PIL copy.
+            peak = frames * size[0] * size[1] * 3 * 4 * 2 + height * width * 3 * 2
+            return self.decode_budget.hold(peak, where, what="video")
+
+        video = vd.read_video(item.video, where, self.video_sampling, temporal_patch_size=cfg.temporal_patch_size,
+                              max_frame_pixels=int(self.options["max_image_pixels"]),
+                              frame=lambda rgb: pp.video_frame(rgb, target[0], cfg), before_decoding=hold)
+        rows, grid = pp.video_patches(video.frames, cfg)
+        seconds = video.second_per_grid_t
+        del video
+        t, h, w = grid
+        return PreparedItem(inputs={"pixel_values": torch.from_numpy(rows)}, cost=t * h * w, cache_key=key,
+                            meta={"grid_thw": grid, "second_per_grid_t": seconds})
 
     @contextmanager
     def _decoding(self, item: pb.EncodeItem, index: int, header: pp.ImageHeader, wait_s: float | None = None):
@@ -228,6 +294,9 @@ class VisionEncoderModel(EncoderModel):
             uploaded = self.staging.upload([it.inputs["pixel_values"] for it in batch])
             pixels = torch.cat(uploaded) if self.native else torch.stack(uploaded)
             return self._forward(pixels.to(self.dtype), batch)
+        videos = [i for i, it in enumerate(batch) if "pixel_values" in it.inputs]
+        if videos:  # preprocessed on the CPU (prepare): a forward of their own, the images' another
+            return self._encode_with_videos(batch, videos)
         images, errors = self._device_pixels(batch)
         ready = [it for i, it in enumerate(batch) if i not in errors]
         if not ready:
@@ -237,12 +306,25 @@ class VisionEncoderModel(EncoderModel):
                                      ready))
         return [EncodedItem.failed(errors[i]) if i in errors else next(encoded) for i in range(len(batch))]
 
+    def _encode_with_videos(self, batch: list[PreparedItem], videos: list[int]) -> list[EncodedItem]:
+        """The device path's batch holding videos: the images through `encode`, the videos' CPU rows in a
+        forward of their own; the answers in the batch's order."""
+        chosen = set(videos)
+        images = [it for i, it in enumerate(batch) if i not in chosen]
+        from_images = iter(self.encode(images) if images else [])
+        clips = [batch[i] for i in videos]
+        rows = torch.cat(self.staging.upload([it.inputs["pixel_values"] for it in clips]))
+        from_videos = iter(self._forward(rows.to(self.dtype), clips))
+        return [next(from_videos) if i in chosen else next(from_images) for i in range(len(batch))]
+
     def _forward(self, pixels: torch.Tensor, batch: list[PreparedItem]) -> list[EncodedItem]:
         if self.native:
             grids = [tuple(it.meta["grid_thw"]) for it in batch]
             rows = self.tower(pixels, grids).to(self.dtype)
             sizes = [self.tower.merged_rows(g) for g in grids]
-            return [EncodedItem(embedding=r, grid_thw=g) for r, g in zip(rows.split(sizes), grids)]
+            seconds = [float(it.meta.get("second_per_grid_t", 0.0)) for it in batch]  # a video's; images: 0
+            return [EncodedItem(embedding=r, grid_thw=g, second_per_grid_t=s)
+                    for r, g, s in zip(rows.split(sizes), grids, seconds)]
         rows = (self.graphs or self.tower)(pixels).to(self.dtype)
         return [EncodedItem(embedding=r) for r in rows.unbind(0)]
 
@@ -334,6 +416,11 @@ class VisionEncoderModel(EncoderModel):
         if self.native:
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))
+            v, sampling = self.video_processor, self.video_sampling
+            facts.update(video="on" if vd.available() else f"off: PyAV is not installed ({vd.EXTRA})",
+                         video_fps=f"{sampling.fps:g}", max_video_frames=str(sampling.max_frames),
+                         max_video_seconds=f"{sampling.max_seconds:g}", video_min_pixels=str(v.min_pixels),
+                         video_max_pixels=str(v.max_pixels))
         else:
             facts.update(image_size=f"{p.height}x{p.width}", siglip_output=str(self.options["siglip_output"]),
                          rows_per_image=str(self.tower.rows_per_image))

@@ -15,6 +15,12 @@ same order and precision as transformers' PIL processors (``Qwen2VLImageProcesso
 5. Qwen2-VL: patchify to ``(grid_h * grid_w, C * temporal_patch * patch * patch)``
    rows in merge-block order, the frame repeated ``temporal_patch_size`` times.
 
+A video's sampled frames (video.py) take steps 3-4 each, with the video processor's pixel budget
+(`video_processor_config`) and one target size for all, then ``Qwen2VLVideoProcessor.patchify``: consecutive
+frames grouped ``temporal_patch_size`` at a time (the last group padded by repeating the last frame),
+``grid_t`` = the groups. transformers' video processor resizes with torchvision; here each frame is resized
+as its PIL image processor resizes an image (torchvision cannot be installed beside this stack).
+
 Errors are `InvalidArgument` naming the item (``items[3]: ...``): they reach the
 client as INVALID_ARGUMENT and never affect other items.
 """
@@ -119,14 +125,7 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_dir(cls, model_dir, kind: str, **defaults) -> ImageProcessorConfig:
-        path = Path(model_dir) / "preprocessor_config.json"
-        raw = {}
-        if path.is_file():
-            try:
-                raw = json.loads(path.read_text())
-            except ValueError as e:
-                raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, kind, **defaults)
+        return cls.from_dict(_read_json(Path(model_dir) / "preprocessor_config.json"), kind, **defaults)
 
     def check(self) -> None:
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
@@ -141,6 +140,38 @@ class ImageProcessorConfig:
     def digest(self) -> bytes:
         """Identifies every parameter here (part of each embedding-cache key)."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return raw
+
+
+# Qwen2VLVideoProcessor's own pixel budget, where its config file names none.
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 28 * 28 * 768
+
+
+def video_processor_dict(model_dir) -> dict:
+    """The video processor's config as transformers finds it: video_preprocessor_config.json, else the image
+    processor's preprocessor_config.json (AutoVideoProcessor's fallback)."""
+    own = Path(model_dir) / "video_preprocessor_config.json"
+    return _read_json(own if own.is_file() else Path(model_dir) / "preprocessor_config.json")
+
+
+def video_processor_config(model_dir, **defaults) -> ImageProcessorConfig:
+    """Qwen2-VL's video processor: the image processor's parameters, read from its config file, with the
+    video processor's defaults (its pixel budget) where the file names none."""
+    return ImageProcessorConfig.from_dict(video_processor_dict(model_dir), "qwen2_vl",
+                                          **{"min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS,
+                                             **defaults})
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -361,6 +392,47 @@ def qwen2_vl_pixels(image: Image.Image, cfg: ImageProcessorConfig, min_pixels: i
     return rows, (1, array.shape[0] // cfg.patch_size, array.shape[1] // cfg.patch_size)
 
 
+def video_size(height: int, width: int, cfg: ImageProcessorConfig, where: str = "video") -> tuple[int, int]:
+    """The (height, width) every frame of a height x width video is resized to (the video processor's
+    smart_resize, its budget)."""
+    if not cfg.do_resize:
+        if height % cfg.factor or width % cfg.factor:
+            raise InvalidArgument(f"{where}: {width}x{height} frames are not a multiple of {cfg.factor} and "
+                                  "do_resize is off")
+        return height, width
+    try:
+        return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ValueError as e:
+        raise InvalidArgument(f"{where}: {e}") from None
+
+
+def video_frame(rgb: np.ndarray, size: tuple[int, int], cfg: ImageProcessorConfig) -> np.ndarray:
+    """One (H, W, 3) uint8 frame resized to `size` as the PIL image processor resizes, rescaled, normalised:
+    (h, w, 3) float32."""
+    image = Image.fromarray(rgb)  # (H, W, 3) uint8: RGB
+    if (image.height, image.width) != size:
+        image = image.resize((size[1], size[0]), resample=cfg.resample)
+    return rescale_normalize(image, cfg)
+
+
+def video_patches(frames: list[np.ndarray], cfg: ImageProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """pixel_values_videos rows and grid (t, h, w) of one video's processed frames, as
+    Qwen2VLVideoProcessor.patchify lays them out: frames grouped temporal_patch_size at a time (the last
+    frame repeated to fill the last group), rows in merge-block order, each C x T x P x P."""
+    if not frames:
+        raise ValueError("a video of no frames")
+    tps, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    frames = list(frames) + [frames[-1]] * (-len(frames) % tps)
+    height, width, channels = frames[0].shape
+    grid_t, grid_h, grid_w = len(frames) // tps, height // p, width // p
+    video = np.stack(frames)  # (T, H, W, C)
+    patches = video.reshape(grid_t, tps, grid_h // m, m, p, grid_w // m, m, p, channels)
+    # -> (grid_t, gh/m, gw/m, mh, mw, C, tps, ph, pw): the processor's permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    patches = patches.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    rows = np.ascontiguousarray(patches).reshape(grid_t * grid_h * grid_w, channels * tps * p * p)
+    return rows, (grid_t, grid_h, grid_w)
+
+
 def fixed_pixels(image: Image.Image, cfg: ImageProcessorConfig, where: str = "image") -> np.ndarray:
     """(3, height, width) float32, as SiglipImageProcessorPil computes it."""
     if cfg.do_resize:
@@ -378,6 +450,8 @@ def content_digest(item: pb.EncodeItem) -> bytes:
     digest.update(f"{source}\0".encode())
     if source == "data":
         digest.update(item.data)
+    elif source == "video":
+        digest.update(item.video)
     elif source == "pixels":
         digest.update(f"{item.pixels.dtype}:{list(item.pixels.shape)}\0".encode())
         digest.update(item.pixels.data)

@@ -36,6 +36,8 @@ class VisionEncoderService(EncoderService):
                 "siglip_output": args.siglip_output,
                 "preprocess_device": args.preprocess_device,
                 "image_decode": args.image_decode,
+                "video_fps": args.video_fps, "max_video_frames": args.max_video_frames,
+                "max_video_seconds": args.max_video_seconds,
                 "cuda_graphs": not args.enforce_eager,
                 "max_batch_items": args.max_batch_items, "max_batch_tokens": args.max_batch_tokens}
 
