@@ -140,7 +140,7 @@ def test_completion_prompts():
     assert not protocol.completion_request({"prompt": "ab", "echo": True}, "r").grpc.sampling.HasField("prompt_logprobs")
     # echo with logprobs k: the LLM scores the prompt with k alternatives (or more, for prompt_logprobs)
     echoed = protocol.completion_request({"prompt": "ab", "echo": True, "logprobs": 3}, "r")
-    assert echoed.grpc.sampling.prompt_logprobs == 3 and echoed.prompt_logprobs is None
+    assert echoed.grpc.sampling.prompt_logprobs == 3 and echoed.prompt_logprobs == 3  # vLLM shows them too
     both = protocol.completion_request({"prompt": "ab", "echo": True, "logprobs": 2, "prompt_logprobs": 5}, "r")
     assert both.grpc.sampling.prompt_logprobs == 5 and both.prompt_logprobs == 5
     parsed = protocol.completion_request({"prompt": "a", "stream": True, "stream_options": {"include_usage": True}},
@@ -376,7 +376,8 @@ def test_echo_with_logprobs_leads_with_the_prompts_scored_tokens():
     text, lp = acc.add(_prompt_message(top_logprobs=[pb.TopLogprobs(token_ids=[9], logprobs=[-0.5], tokens=["!"])]))
     assert text == "abc!"  # streamed: the echo goes out with the first message's scores
     assert lp["tokens"] == ["a", "b", "c", "!"] and lp["token_logprobs"] == [None, -1.0, -2.0, -0.5]
-    assert lp["top_logprobs"] == [None, {"b": -1.0}, {"x": -0.125}, {"!": -0.5}]
+    # OpenAI's completions shape: the chosen token's own entry and its top k (so up to k + 1)
+    assert lp["top_logprobs"] == [None, {"b": -1.0}, {"c": -2.0, "x": -0.125}, {"!": -0.5}]
     assert lp["text_offset"] == [0, 1, 2, 3]
     acc.add(pb.GenerateResponse(token_ids=[7], text="?", logprobs=[-0.25], tokens=["?"], finish_reason=pb.LENGTH,
                                 top_logprobs=[pb.TopLogprobs(token_ids=[7], logprobs=[-0.25], tokens=["?"])]))
@@ -397,3 +398,16 @@ def test_vllm_prompt_logprobs_hold_each_token_and_its_top_k_by_id():
     ]
     body = protocol.completion_body("chat", "r", "m", protocol.Accumulator("chat", False, prompt_logprobs=0), None)
     assert body["prompt_logprobs"] is None  # asked, but no message came: nothing to show
+
+
+def test_echoed_offsets_go_on_over_the_prompts_token_texts():
+    """A BOS token's text is in the prompt's tokens but not in the echo: the generated tokens' offsets go on
+    from the prompt tokens' texts (vLLM's count), never back to len(echo). (Tokens of one message share its
+    offset: its text, not the tokens' texts, is what the answer holds.)"""
+    acc = protocol.Accumulator("completion", logprobs=True, echo="ab")
+    _, lp = acc.add(pb.GenerateResponse(token_ids=[9, 7], text="!?", logprobs=[-0.5, -0.25], tokens=["!", "?"],
+                                        prompt_logprobs=pb.PromptLogprobs(token_ids=[1, 4, 5],
+                                                                          tokens=["<s>", "a", "b"],
+                                                                          logprobs=[-1.0, -2.0], ranks=[1, 2])))
+    assert lp["tokens"] == ["<s>", "a", "b", "!", "?"] and lp["text_offset"] == [0, 3, 4, 5, 5]
+    assert lp["top_logprobs"] is None

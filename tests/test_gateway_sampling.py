@@ -213,8 +213,9 @@ def test_completions_echo_with_logprobs_scores_the_prompt_as_hf_does(stack, hf):
     want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:n]), want, atol=1e-4, rtol=0)
     for p in range(1, n):
-        top = ref[p - 1].topk(2)
-        expected = dict(zip((tok.decode([t]) for t in top.indices.tolist()), top.values.tolist()))
+        top = ref[p - 1].topk(2)  # OpenAI's shape: the token's own entry, and the top 2
+        expected = {tok.decode([ids[p]]): ref[p - 1, ids[p]].item(),
+                    **dict(zip((tok.decode([t]) for t in top.indices.tolist()), top.values.tolist()))}
         assert lp.top_logprobs[p] == pytest.approx(expected, abs=1e-4)
     assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-6)
     assert lp.text_offset[n] == len(PROMPT)
@@ -508,3 +509,22 @@ def test_n_choices_share_the_prompts_pages(stack, hf):
         alone = generate(stack, text=prompt, sampling=pb.SamplingParams(**{**sampling, "seed": 11 + index}))
         assert [t for m in messages if m.index == index for t in m.token_ids] == [t for m in alone
                                                                                    for t in m.token_ids]
+
+
+def test_each_choice_of_n_gets_the_prompts_scores_on_its_first_message(stack, hf):
+    model, tok = hf
+    ids = tok(PROMPT)["input_ids"]
+    messages = generate(stack, token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        n=2, seed=3, max_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    firsts = {}
+    for m in messages:
+        if m.index not in firsts:
+            firsts[m.index] = m
+        else:
+            assert not m.HasField("prompt_logprobs")  # the first message only
+    assert sorted(firsts) == [0, 1]
+    want = _hf_prompt_logprobs(model, ids).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    for first in firsts.values():
+        p = first.prompt_logprobs
+        assert list(p.token_ids) == ids and len(p.top) == len(ids) - 1 and all(len(t.token_ids) == 2 for t in p.top)
+        torch.testing.assert_close(torch.tensor(list(p.logprobs)), want, atol=1e-4, rtol=0)

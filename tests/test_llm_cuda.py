@@ -311,6 +311,12 @@ def test_prompt_logprobs_on_cuda_equal_hf_beside_decoding_requests(root, cuda_gr
 
     path = tiny.ensure("qwen2", root)
     engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.float32, cuda_graphs=cuda_graphs)
+    assert (engine.runner.mixed_graphs is not None) == cuda_graphs
+    scored_replays = []  # mixed steps replayed from a graph while they carried scored prompt rows
+    if cuda_graphs:
+        mixed = engine.runner.mixed_graphs
+        run = mixed.run
+        mixed.run = lambda inputs, *a: (scored_replays.append(inputs.scored_rows is not None), run(inputs, *a))[1]
     engine.start()
     prompts = [list(range(40, 93)), [7, 300, 12]]
     try:
@@ -324,8 +330,11 @@ def test_prompt_logprobs_on_cuda_equal_hf_beside_decoding_requests(root, cuda_gr
             engine.add(f"s{i}", PreparedPrompt(p), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
                                                                   prompt_logprobs=3), outs[-1].put)
         firsts = [o.get(timeout=120) for o in outs]
+        busy_tokens = 1 + sum(len(busy.get(timeout=120).token_ids) for _ in range(busy.qsize()))
     finally:
         engine.stop()
+    assert busy_tokens < 60, "the busy request had finished before the scored prompts came: nothing was mixed"
+    assert not cuda_graphs or any(scored_replays), scored_replays
     ref = AutoModelForCausalLM.from_pretrained(path).eval()
     for prompt, first in zip(prompts, firsts):
         assert first.error is None and first.prompt_ids == prompt

@@ -154,3 +154,24 @@ def test_prompt_logprobs_are_validated():
             SamplingParams(prompt_logprobs=bad).validate(1000)
     with pytest.raises(InvalidArgument, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=0).validate(1 << 25)
+
+
+def test_a_scoring_failure_fails_its_step_and_the_engine_goes_on(qwen2, hf, monkeypatch):
+    """Scoring is rank 0's alone (a log-softmax over the slice's logits): when it fails (out of memory), the
+    step's requests get the error after every rank's LM-head collectives, and the engine serves on."""
+    import services.llm.runner as runner
+
+    def fail(*a):
+        raise RuntimeError("CUDA out of memory (scoring)")
+
+    monkeypatch.setattr(runner, "score_prompt", fail)
+    engine = _engine(qwen2)
+    try:
+        out = _add(engine, "scored", [5, 6, 7, 8], 2, prompt_logprobs=1)
+        d = out.get(timeout=120)
+        assert d.error is not None and "out of memory" in str(d.error)
+        monkeypatch.undo()
+        prompt = [9, 10, 11, 12, 13]
+        _check(hf, prompt, _collect(_add(engine, "after", prompt, 3, prompt_logprobs=1)), 1)
+    finally:
+        engine.stop()

@@ -506,6 +506,8 @@ def completion_request(body: dict, request_id: str) -> ParsedRequest:
         echo = req.text
         if req.sampling.logprobs:  # the prompt's tokens lead the choice's logprobs, scored by the LLM
             req.sampling.prompt_logprobs = max(req.sampling.top_logprobs, asked or 0)
+            if asked is None:  # vLLM's rule: echo with logprobs k asks for prompt_logprobs k too
+                asked = req.sampling.top_logprobs
     return ParsedRequest("completion", requested_model(body), req, stream, include_usage, req.sampling.logprobs > 0,
                          top_logprobs=req.sampling.top_logprobs, echo=echo, prompt_logprobs=asked)
 
@@ -577,30 +579,32 @@ class Accumulator:
 
     def _echoed_prompt(self) -> tuple[list[str], list[float | None], list[dict | None], list[int]]:
         """Completions' echo with logprobs: the prompt's tokens as the choice's first entries, the first
-        token unscored (None), as OpenAI and vLLM show it; offsets count each token's text."""
+        token unscored (None), as OpenAI and vLLM show it. Offsets count each token's text, and the generated
+        tokens' go on from there (vLLM's count: a BOS token's text moves them past len(echo))."""
         p = self.prompt
         if p is None:  # the request ended before its first token: no scores came
             return [], [], [], []
         strings = list(p.tokens) if len(p.tokens) == len(p.token_ids) else [f"token_id:{t}" for t in p.token_ids]
         values = [None, *p.logprobs]
-        top = [None, *(dict(_top_pairs(t, self.top_logprobs)) for t in p.top)] if self.top_logprobs else None
-        offsets, at = [], 0
+        top = [None, *(_top_dict(s, v, t, self.top_logprobs) for s, v, t in zip(strings[1:], p.logprobs, p.top))]
+        offsets = []
+        self._chars = 0
         for token in strings:
-            offsets.append(at)
-            at += len(token)
-        return strings, values, top or [], offsets
+            offsets.append(self._chars)
+            self._chars += len(token)
+        return strings, values, top if self.top_logprobs else [], offsets
 
     def add(self, delta: pb.GenerateResponse) -> tuple[str, dict | None]:
         """Fold one delta in; returns its text and its logprobs in the response's format (or None)."""
         if delta.HasField("prompt_logprobs") and self.prompt is None:
             self.prompt = delta.prompt_logprobs
-        self.text.append(delta.text)
         text, lp = delta.text, None
         strings, values, top, offsets = [], [], [], []
         if self._echo_pending:  # echo with logprobs: the prompt leads the first message, with its scores
             self._echo_pending = False
             text = self.echo + delta.text
             strings, values, top, offsets = self._echoed_prompt()
+        self.text.append(delta.text)
         if self.logprobs and delta.token_ids:
             generated = token_strings(delta)
             alternatives = self._alternatives(delta, len(generated))
@@ -615,7 +619,9 @@ class Accumulator:
                 strings += generated
                 values += list(delta.logprobs) + [None] * (len(generated) - len(delta.logprobs))
                 offsets += [self._chars] * len(generated)
-                top += [dict(alts) for alts in alternatives]  # OpenAI's shape: per position, {token text: logprob}
+                # OpenAI's shape: per position {token text: logprob}, the chosen token's among them (so up to k + 1)
+                top += [_top_dict(s, v, None, 0) | dict(alts) for s, v, alts in zip(generated, values[-len(generated):],
+                                                                                    alternatives)]
         if self.kind != "chat" and strings:
             self.tokens += strings
             self.token_logprobs += values
@@ -656,6 +662,15 @@ class Accumulator:
                     entry.setdefault(str(tid), {"logprob": value, "rank": rank, "decoded_token": text})
             out.append(entry)
         return out
+
+
+def _top_dict(token: str, value: float | None, top: pb.TopLogprobs | None, k: int) -> dict:
+    """One completions position's {token text: logprob}: the chosen token's, then its k alternatives."""
+    out = {token: value} if value is not None else {}
+    if top is not None:
+        for text, v in _top_pairs(top, k):
+            out.setdefault(text, v)
+    return out
 
 
 def _top_pairs(top: pb.TopLogprobs, k: int) -> list[tuple[str, float]]:

@@ -152,6 +152,7 @@ class EngineCore:
         self.tokens_per_second: float | None = None  # Qwen2.5-VL: its video positions are time-scaled
         self._grammars = None  # services.llm.structured.GrammarCompiler, made on the first structured request
         self.item_shapes = ItemShapes()  # what earlier encodes returned, by item digest (prefix cache lookups)
+        self._token_texts: dict[int, str] = {}  # _token_text's, at most one per vocabulary id
         self.sink = LinkSink(sender, self._token_text)
         self.calls: dict[int, _Call] = {}
 
@@ -396,7 +397,12 @@ class EngineCore:
         return self._grammars
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's text alone, cached by id: prompt logprobs name every prompt token and its top k, on the
+        engine thread (a 32k-token prompt at k = 20 decoded 670k ids, 1.8 s of every running request's time)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
 
 def _check_positions(prompt, max_tokens: int, max_model_len: int) -> None:

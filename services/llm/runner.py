@@ -314,7 +314,8 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
             top = seq.state.params.prompt_logprobs
             scored_end = min(end, len(seq.prompt_ids) - 1)  # the row at position p scores prompt token p + 1
-            if top is not None and start < scored_end:
+            # prompt_scores is None once they went out with the first token: a recompute (preemption) is not scored
+            if top is not None and seq.state.prompt_scores is not None and start < scored_end:
                 scored_rows += range(base, base + scored_end - start)
                 scored_targets += seq.prompt_ids[start + 1:scored_end + 1]
                 scored_spans.append((chunk, start, scored_end - start))
@@ -454,18 +455,26 @@ class ModelRunner:
             embeds = self._embed(inputs) if inputs.has_embeds else None
             hidden = self.model(inputs.positions, meta, self.kv_caches,
                                 input_ids=None if embeds is not None else inputs.input_ids, inputs_embeds=embeds)
-        scores = self._score_prompt(hidden, inputs) if inputs.scored_rows is not None else None
-        if not inputs.sample_rows.numel():
-            return None, scores
-        return self.model.compute_logits(hidden[inputs.sample_rows]), scores  # its all-gather needs every rank
+        scores, failed = self._score_prompt(hidden, inputs) if inputs.scored_rows is not None else (None, None)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows]) if inputs.sample_rows.numel() else None
+        if failed is not None:  # raised once every rank has been through the same collectives
+            raise failed
+        return logits, scores
 
-    def _score_prompt(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+    def _score_prompt(self, hidden: torch.Tensor, inputs: StepInputs
+                      ) -> tuple[torch.Tensor | None, BaseException | None]:
         """The prompt rows' scores, SCORE_ROWS rows at a time: a row's logits are a vocabulary of floats, and
         a long prompt chunk's all at once would be gigabytes. Every rank computes the logits (the LM head's
-        all-gather); rank 0 scores them."""
-        parts = []
+        all-gather); rank 0 scores them. Scoring is rank 0's alone (a log-softmax of the slice's logits): if
+        it fails (out of memory), the other ranks' LM-head all-gathers must still be met, so the error is
+        returned for `execute` to raise after them."""
+        parts, failed = [], None
         for lo in range(0, inputs.scored_rows.numel(), SCORE_ROWS):
             logits = self.model.compute_logits(hidden[inputs.scored_rows[lo:lo + SCORE_ROWS]])
-            if self.rank == 0:
-                parts.append(score_prompt(logits, inputs.scored_targets[lo:lo + SCORE_ROWS], inputs.scored_top))
-        return torch.cat(parts) if parts else None
+            if self.rank == 0 and failed is None:
+                try:
+                    parts.append(score_prompt(logits, inputs.scored_targets[lo:lo + SCORE_ROWS], inputs.scored_top))
+                except Exception as exc:  # noqa: BLE001 - raised by execute, after the collectives
+                    failed = exc
+            del logits
+        return (torch.cat(parts) if parts and failed is None else None), failed
