@@ -27,6 +27,7 @@ from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.testing import tiny
 from modalmesh.testing.video import hf_video_inputs, make_video
 from services.gateway.launch import GatewayProcess
+from tests.test_media import client  # the openai client on a gateway
 
 COMMON = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", "cpu"]
 GATEWAY = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--grace-period", "10"]
@@ -97,10 +98,6 @@ def stack(tmp_path_factory):
     finally:
         for p in reversed(procs):
             p.terminate(timeout=60)
-
-
-def client(gw):
-    return openai.OpenAI(base_url=f"{gw.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def video_url(data: bytes, mime: str = "video/mp4") -> str:
