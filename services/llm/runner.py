@@ -3,9 +3,9 @@
 Every rank builds the same things from the same `LLMConfig` (its own `rank`):
 its attention selector, its shard of the model, its shard of the KV pool (the
 same pages on every rank: one block table serves all), and, on CUDA, its decode
-graphs. Then (nano-vllm's `call` / `loop`):
+graphs. Then (nano-vllm's `call` / `loop`, `call` being submit's publish + execute):
 
-    rank 0:      runner.submit(step, previous).wait()   # prepare -> call: publish, execute -> sample
+    rank 0:      runner.submit(step, previous).wait()   # prepare -> publish, execute -> sample
     ranks >= 1:  runner.loop()                # receive the inputs, execute, until rank 0 stops the group
 
 `submit` queues the step's work on the device
@@ -255,11 +255,6 @@ class ModelRunner:
         rows: list[SamplerRow] = [c.seq.state.sampler for c in sampled]
         tokens, logprobs = sample(logits, rows)
         return InFlight(step, sampled, tokens, logprobs, scored)
-
-    def call(self, inputs: StepInputs, previous_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Rank 0: hand `inputs` (and the previous step's device tokens it carries) to every rank, then run
-        them here; the logits of the sampled rows."""
-        return self.execute(self.channel.publish(inputs), previous_tokens)[0]
 
     def prepare(self, step: Step, previous: InFlight | None = None) -> StepInputs:
         """Rank 0: the step's inputs on the host, from the scheduled chunks and the page allocator."""
