@@ -4,6 +4,7 @@
     python bench/audio.py --dummy-weights   # ours with dummy weights (no parity check)
     python bench/audio.py --quick           # tiny shape; also runs on CPU (checks the script, not speed)
     python bench/audio.py --batch 1 --profile   # batch 1, ours vs HF: wall, GPU-busy, top kernels
+    python bench/audio.py --peer-compile default,max-autotune   # HF under torch.compile too, one column per mode
 
 Both models are built in code (no downloads): HF's `WhisperEncoder` from a
 `WhisperConfig` (d_model 1280, 32 layers, 20 heads, ffn 5120, 128 mel bins),
@@ -22,12 +23,19 @@ path's `prepare` (decode, resample, log-mel on one thread) against the device
 path's `prepare` (decode, checks) plus its share of the batch's resample +
 log-mel on the device. The limit is the forward's FLOPs at the GPU's dense bf16 peak.
 
-`--profile` (batch 1, the issue-18 question "why is ours slower than HF at batch
-1"): for ours with the selected attention, ours with each other dense backend
-that runs here, and HF: wall ms per call (synchronised each call), busy ms
-(summed kernel time from torch.profiler; CPU op time on a CPU), kernels per
-call and the top 10 kernels. Wall well above busy means launch-bound (host
-overhead); busy above HF's means slower kernels: the table says which.
+HF under `torch.compile` (`--peer-compile`, default mode by default; `none`
+skips it) is timed beside its eager column in the same run, at each batch
+size, with its first call's seconds (the compile; cold only where the printed
+inductor cache was empty): a user compiles the peer in one line, so that is
+the column to beat.
+
+`--profile` (at `--profile-batch`, batch 1 by default: the issue-18 question "why is
+ours slower than HF at batch 1"): for ours with the selected attention, ours with
+each other dense backend that runs here, and HF: wall ms per call (synchronised
+each call), busy ms (summed kernel time from torch.profiler; CPU op time on a
+CPU), kernels per call, time per kernel family and the top 10 kernels. Wall well
+above busy means launch-bound (host overhead); busy above HF's means slower
+kernels: the table says which.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import (PEER_COMPILE_HELP, compile_peer, inductor_cache_state, peer_compile_modes,  # noqa: E402
+                   print_profile, profile_kernels, release_compiled, sync)
 from modalmesh import pb  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
 from modalmesh.weights import load_weights  # noqa: E402
@@ -55,11 +65,6 @@ LARGE_V3 = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, enc
 QUICK = dict(LARGE_V3, d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
              decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128)
 BASELINE = "HF WhisperEncoder on one H200 (docs/architecture.md): 147 clips/s at batch 16, 21 ms at batch 1; limit ~345 clips/s"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
@@ -145,51 +150,6 @@ def preprocessing(paths: dict[str, AudioEncoderModel], device: torch.device, bat
     return out
 
 
-def profile_batch1(models: dict, x: torch.Tensor, device: torch.device, iters: int) -> dict:
-    """Per model: wall ms per call (synchronised), busy ms per call (kernel time; CPU op time on a CPU),
-    kernels per call, top 10 kernels by time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    out = {}
-    with torch.inference_mode():
-        for name, fn in models.items():
-            for _ in range(3):
-                fn(x)
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn(x)
-                sync(device)
-            wall = (time.perf_counter() - t0) * 1e3 / iters
-            with profile(activities=activities) as prof:
-                for _ in range(iters):
-                    fn(x)
-                sync(device)
-            if cuda:
-                kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-                self_us = lambda e: e.self_device_time_total  # noqa: E731
-            else:  # leaf CPU ops stand for kernels
-                kernels = [e for e in prof.key_averages() if e.key.startswith("aten::") and e.self_cpu_time_total > 0]
-                self_us = lambda e: e.self_cpu_time_total  # noqa: E731
-            busy = sum(self_us(e) for e in kernels) / 1e3 / iters
-            count = sum(e.count for e in kernels) / iters
-            top = sorted(kernels, key=self_us, reverse=True)[:10]
-            out[name] = {"wall_ms": wall, "busy_ms": busy, "kernels_per_call": count,
-                         "top": [(e.key, self_us(e) / 1e3 / iters, e.count / iters) for e in top]}
-    print(f"\nprofile at batch 1 ({'CUDA kernel' if cuda else 'CPU op'} time, per call):")
-    print(f"{'model':<28} {'wall ms':>8} {'busy ms':>8} {'idle ms':>8} {'kernels':>8}")
-    for name, r in out.items():
-        print(f"{name:<28} {r['wall_ms']:>8.2f} {r['busy_ms']:>8.2f} {r['wall_ms'] - r['busy_ms']:>8.2f} "
-              f"{r['kernels_per_call']:>8.0f}")
-    for name, r in out.items():
-        print(f"top kernels, {name}:")
-        for key, ms, n in r["top"]:
-            print(f"  {ms:8.3f} ms  x{n:<5.0f} {key[:110]}")
-    return out
-
-
 def profiled_models(root: Path, ours, hf, device: torch.device, dtype: torch.dtype, spec: str | None) -> dict:
     """Ours as selected, ours with each other dense backend that runs here (same weights), and HF."""
     from modalmesh import attention
@@ -229,12 +189,15 @@ def main(argv=None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--profile", action="store_true",
-                        help="batch 1: wall vs busy ms and top kernels, ours (each dense backend) vs HF")
+                        help="wall vs busy ms, kernel families and top kernels, ours (each dense backend) vs HF")
+    parser.add_argument("--profile-batch", type=int, nargs="+", default=[1], help="batch sizes --profile runs")
+    parser.add_argument("--peer-compile", default="default", metavar="MODES", help=PEER_COMPILE_HELP)
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           args.device if args.device != "auto" else "cpu")
     dtype = getattr(torch, args.dtype)
+    compile_modes = [] if args.no_hf else peer_compile_modes(args.peer_compile)
     if args.quick:
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
     shape = QUICK if args.quick else LARGE_V3
@@ -254,9 +217,12 @@ def main(argv=None) -> int:
     hf = None if args.no_hf else build_hf(shape, device, dtype)
     if hf is not None:
         print(f"attention (HF): {hf.config._attn_implementation}")
+    if compile_modes:
+        print(f"HF under torch.compile, modes {', '.join(compile_modes)}; inductor cache {inductor_cache_state()}")
     results: dict = {"device": gpu, "dtype": args.dtype, "shape": shape, "attention": selection.backend, "batches": {}}
 
-    mels = torch.randn(max(args.batch), shape["num_mel_bins"], 3000, generator=torch.Generator().manual_seed(1))
+    rows = max(args.batch + (args.profile_batch if args.profile else []))
+    mels = torch.randn(rows, shape["num_mel_bins"], 3000, generator=torch.Generator().manual_seed(1))
     mels = mels.to(device, dtype)
     if hf is not None and not args.dummy_weights:
         # HF's random weights into ours through the checkpoint loader, then parity.
@@ -273,17 +239,35 @@ def main(argv=None) -> int:
         print(f"parity (max |diff|, outputs up to {p['scale']:.3g}): ours vs HF {p['ours_vs_hf']:.4g}; "
               f"vs HF fp32: ours {p['ours_vs_fp32']:.4g}, HF {args.dtype} {p['hf_vs_fp32']:.4g}")
 
-    print(f"{'batch':>5} {'ours ms':>9} {'ours clips/s':>12} {'HF ms':>9} {'HF clips/s':>10} {'speedup':>7}")
+    # Each compiled mode: ms, clips/s, the first call's seconds, and ours' speedup over it.
+    print(f"{'batch':>5} {'ours ms':>9} {'ours clips/s':>12} {'HF ms':>9} {'HF clips/s':>10} {'speedup':>7}"
+          + "".join(f" {'HF ' + m + ' ms':>22} {'clips/s':>8} {'compile s':>9} {'speedup':>7}" for m in compile_modes))
     for batch in args.batch:
         x = mels[:batch]
         with torch.inference_mode():
             ours_ms = time_ms(lambda: ours.module(x), device, args.iters, args.warmup)
             hf_ms = time_ms(lambda: hf(x), device, args.iters, args.warmup) if hf is not None else float("nan")
-        row = {"ours_ms": ours_ms, "ours_clips_s": batch * 1e3 / ours_ms, "hf_ms": hf_ms,
-               "hf_clips_s": batch * 1e3 / hf_ms}
+            row = {"ours_ms": ours_ms, "ours_clips_s": batch * 1e3 / ours_ms, "hf_ms": hf_ms,
+                   "hf_clips_s": batch * 1e3 / hf_ms}
+            compiled_cells = ""
+            for mode in compile_modes:  # under inference_mode like the eager column: the graphs guard on it
+                forward, compile_s, why = compile_peer(hf, lambda compiled: compiled(x), mode, device)
+                if forward is None:
+                    print(f"# HF compiled ({mode}), batch {batch}: not run: {why}")
+                    row[f"hf_compiled_{mode}_skipped"] = why
+                    compiled_cells += f" {'n/a':>22} {'-':>8} {'-':>9} {'-':>7}"
+                    continue
+                compiled_ms = time_ms(forward, device, args.iters, args.warmup)
+                row.update({f"hf_compiled_{mode}_ms": compiled_ms,
+                            f"hf_compiled_{mode}_clips_s": batch * 1e3 / compiled_ms,
+                            f"hf_compiled_{mode}_compile_s": compile_s})
+                compiled_cells += (f" {compiled_ms:>22.2f} {batch * 1e3 / compiled_ms:>8.1f} {compile_s:>9.1f} "
+                                   f"{compiled_ms / ours_ms:>6.2f}x")
+                del forward
+                release_compiled(device)
         results["batches"][batch] = row
         print(f"{batch:>5} {ours_ms:>9.2f} {row['ours_clips_s']:>12.1f} {hf_ms:>9.2f} {row['hf_clips_s']:>10.1f} "
-              f"{hf_ms / ours_ms:>6.2f}x")
+              f"{hf_ms / ours_ms:>6.2f}x" + compiled_cells, flush=True)
 
     big = max(args.batch)
     paths = path_models(ours, device)
@@ -299,7 +283,13 @@ def main(argv=None) -> int:
     results["preprocessing"] = preprocessing(paths, device, big, max(1, args.iters // 4))
     if args.profile:
         models = profiled_models(root, ours, hf, device, dtype, args.attention_backend)
-        results["profile"] = profile_batch1(models, mels[:1], device, max(3, args.iters // 2))
+        results["profiles"] = {}
+        for batch in args.profile_batch:
+            x = mels[:batch]
+            calls = {name: (lambda fn=fn: fn(x)) for name, fn in models.items()}
+            results["profiles"][batch] = profile_kernels(calls, device, max(3, args.iters // 2))
+            print_profile(results["profiles"][batch], device, f"batch {batch}")
+        results["profile"] = results["profiles"][args.profile_batch[0]]  # its key before --profile-batch
 
     flops = flops_per_clip(shape)
     limit = args.peak_tflops * 1e12 / flops
