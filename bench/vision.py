@@ -3,6 +3,8 @@
     python bench/vision.py                 # on a GPU: real shapes, bf16, random (--dummy-weights) weights
     python bench/vision.py --quick         # tiny shapes, also on CPU (checks the script, not speed)
     python bench/vision.py --only siglip-b32 --iters 50 --attention-backend vision_encoder=sdpa_cudnn
+    python bench/vision.py --peer-compile default,max-autotune   # HF under torch.compile too, one column per mode
+    python bench/vision.py --only siglip-b32 --profile --no-hf   # where our tower's kernel time goes
 
 Cases (baselines on one H200 from docs/architecture.md: SigLIP 495 img/s at batch 32, Qwen2-VL tower 131 img/s):
   siglip-b1, siglip-b32   SigLIP-so400m-patch14-384 vision model (27 x 1152, 729 patches), batch 1 / 32
@@ -15,6 +17,14 @@ built from the same config.json with --dummy-weights, then given the HF model's 
 warm-up, median of `--iters` runs of the tower forward on device-resident pixels (both
 sides alike); ours end-to-end (`encode` of CPU-preprocessed items: host->device, forward;
 the rows stay on the device) and CPU preprocessing (`prepare`, one thread) are printed beside it.
+
+HF under `torch.compile` (`--peer-compile`, default mode by default; `none` skips it): the first
+`--hf-attn` implementation's model compiled with `torch.compile(model, mode=...)`, timed like the
+eager column, with its first call's seconds (the compile; cold only where the printed inductor
+cache was empty) and ours' speedup over it: a user compiles the peer in one line, so that is the
+column to beat. `--profile`: our tower's forward at each case's shape under torch.profiler: wall
+vs kernel-busy ms per call, time per kernel family and the top kernels (CPU op time on a CPU),
+printed after the table.
 
 Preprocessing, CPU path against device path (`--preprocess-device`), on JPEGs of the case's
 side (448² for Qwen2-VL, 384² for SigLIP), images/s:
@@ -43,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench import (PEER_COMPILE_HELP, compile_peer, inductor_cache_state, peer_compile_modes,  # noqa: E402
+                   print_profile, profile_kernels, release_compiled)
 from modalmesh import attention, pb  # noqa: E402
 from modalmesh.errors import ConfigError  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
@@ -212,6 +224,9 @@ def run_case(case: Case, args, device, dtype) -> dict:
         ours_fwd = (lambda: ours.tower(pixels, grids)) if native else (lambda: ours.tower(pixels))
         row["ours_ms"] = timed(ours_fwd, args.iters, device)
         row["e2e_ms"] = timed(lambda: ours.encode(prepared), max(3, args.iters // 2), device)
+    if args.profile:
+        row["profile"] = profile_kernels({f"ours {case.name} ({row['backend']})": ours_fwd}, device,
+                                         max(3, args.iters // 2))
     row["prep_img_s"] = case.batch / prep_ms * 1e3
     row.update(rates)
     if not args.no_hf:
@@ -223,9 +238,10 @@ def run_case(case: Case, args, device, dtype) -> dict:
                 continue
             with torch.inference_mode():
                 if native:
-                    ref_fwd = lambda: ref(pixels, grid_thw=grid_t).pooler_output  # noqa: E731
+                    call_ref = lambda model: model(pixels, grid_thw=grid_t).pooler_output  # noqa: E731
                 else:
-                    ref_fwd = lambda: ref(pixel_values=pixels)  # noqa: E731
+                    call_ref = lambda model: model(pixel_values=pixels)  # noqa: E731
+                ref_fwd = lambda: call_ref(ref)  # noqa: E731
                 row[f"hf_{attn}_ms"] = timed(ref_fwd, args.iters, device)
                 if attn == args.hf_attn[0]:  # same weights in ours, then compare
                     load_weights(ours.tower, list(ref.state_dict().items()), ours.tower.weights_mapper,
@@ -234,6 +250,15 @@ def run_case(case: Case, args, device, dtype) -> dict:
                     want = want if native else torch.cat((want.last_hidden_state, want.pooler_output[:, None]), 1)
                     got = ours_fwd()
                     row["rel_err"] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    for mode in args.compile_modes:  # under inference_mode like the eager column: graphs guard on it
+                        forward, row[f"hf_compiled_{mode}_compile_s"], why = compile_peer(ref, call_ref, mode, device)
+                        if forward is None:
+                            print(f"# {case.name}: HF {attn} compiled ({mode}) not run: {why}", file=sys.stderr)
+                            row[f"hf_compiled_{mode}_ms"] = "n/a"
+                            continue
+                        row[f"hf_compiled_{mode}_ms"] = timed(forward, args.iters, device)
+                        del forward
+                        release_compiled(device)
             del ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -251,8 +276,13 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-attn", default="sdpa", help="HF attn implementations, comma-separated "
                                                           "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--peer-compile", default="default", metavar="MODES",
+                        help=PEER_COMPILE_HELP + " (the first --hf-attn model)")
+    parser.add_argument("--profile", action="store_true",
+                        help="our tower's forward under torch.profiler at each case: busy vs wall, top kernels")
     args = parser.parse_args(argv)
     args.hf_attn = [a for a in args.hf_attn.split(",") if a]
+    args.compile_modes = [] if args.no_hf or not args.hf_attn else peer_compile_modes(args.peer_compile)
     device = torch.device(args.device)
     if device.type != "cuda" and not args.quick:
         print("no CUDA device: use --quick (tiny shapes) to check the script on CPU", file=sys.stderr)
@@ -265,27 +295,43 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# vision towers on {gpu}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
           f"median of {args.iters}{' (quick shapes)' if args.quick else ''}")
+    if args.compile_modes:
+        print(f"# HF {args.hf_attn[0]} under torch.compile, modes {', '.join(args.compile_modes)} (x HFc: ours' "
+              f"speedup over it); inductor cache {inductor_cache_state()}")
     header = (f"{'case':<16}{'batch':>6}{'tokens':>8}  {'backend':<14}{'ours img/s':>11}{'e2e img/s':>11}"
               + "".join(f"{'HF ' + a + ' img/s':>26}" for a in ([] if args.no_hf else args.hf_attn))
-              + f"{'x HF':>7}{'rel err':>10}{'prep img/s':>12}{'baseline':>10}"
+              + f"{'x HF':>7}"
+              + "".join(f"{'HF ' + m + ' img/s':>26}{'compile s':>10}{'x HFc':>7}" for m in args.compile_modes)
+              + f"{'rel err':>10}{'prep img/s':>12}{'baseline':>10}"
               + f"{'cpu prep':>10}{'dev decode':>12}{'dev xform':>11}{'dev e2e':>9}"
               + f"{'nvjpeg prep':>13}{'nvjpeg xform':>14}{'nvjpeg e2e':>12}")
     print(header)
+    profiles = []
     for case in cases:
         row = run_case(case, args, device, dtype)
+        if "profile" in row:
+            profiles.append((f"{case.name}, batch {row['batch']}, {row['tokens']} tokens", row["profile"]))
         ips = lambda ms: f"{row['batch'] / ms * 1e3:.1f}" if isinstance(ms, float) else ms  # noqa: E731
         rate = lambda r: f"{r:.1f}" if isinstance(r, float) else r  # noqa: E731
         hf = [row.get(f"hf_{a}_ms") for a in ([] if args.no_hf else args.hf_attn)]
         first = hf[0] if hf and isinstance(hf[0], float) else None
         speedup = f"{first / row['ours_ms']:.2f}" if first else "-"
+        compiled = ""
+        for mode in args.compile_modes:
+            ms, compile_s = row.get(f"hf_compiled_{mode}_ms", "-"), row.get(f"hf_compiled_{mode}_compile_s")
+            over = f"{ms / row['ours_ms']:.2f}" if isinstance(ms, float) else "-"
+            compiled += f"{ips(ms):>26}{compile_s if compile_s is not None else float('nan'):>10.1f}{over:>7}"
         print(f"{row['case']:<16}{row['batch']:>6}{row['tokens']:>8}  {row['backend']:<14}{ips(row['ours_ms']):>11}"
               f"{ips(row['e2e_ms']):>11}" + "".join(f"{ips(h):>26}" for h in hf)
-              + f"{speedup:>7}{row.get('rel_err', float('nan')):>10.2e}{row['prep_img_s']:>12.1f}"
+              + f"{speedup:>7}" + compiled
+              + f"{row.get('rel_err', float('nan')):>10.2e}{row['prep_img_s']:>12.1f}"
               + f"{BASELINES.get(case.name, '-')!s:>10}"
               + f"{row['cpu_prep']:>10.1f}{row['dev_prep']:>12.1f}{row['dev_xform']:>11.1f}{row['dev_e2e']:>9.1f}"
               + "".join(f"{rate(row[k]):>{w}}" for k, w in (("nvjpeg_prep", 13), ("nvjpeg_xform", 14),
                                                              ("nvjpeg_e2e", 12))),
               flush=True)
+    for title, profiled in profiles:
+        print_profile(profiled, device, title)
     for choice in attention.attention_choices(selector):
         print(f"# attention {choice.component}: {choice.backend} ({choice.reason})")
     return 0
