@@ -3,6 +3,8 @@
     python bench/vae.py                  # on a GPU: SDXL-VAE shape, 512^2 and 1024^2, FP32 and bf16
     python bench/vae.py --quick          # tiny shapes; also runs on CPU (checks the script, not speed)
     python bench/vae.py --model DIR      # a real diffusers VAE directory instead of random weights
+    python bench/vae.py --peer-compile default,max-autotune --peer-channels-last   # diffusers compiled, as its docs do
+    python bench/vae.py --sizes 1024 --largest '' --profile   # where our decoder's kernel time goes at 1024^2
 
 Random weights in the SDXL VAE shape (block_out_channels 128/256/512/512,
 2 layers per block, 4 latent channels, scaling 0.13025) unless --model is
@@ -11,6 +13,16 @@ downloaded) and its weights are copied into ours, so both decode the same
 function and the table shows the difference between the two outputs too.
 Timing: CUDA events around each call after warm-up, median of --iters.
 Baselines measured on one H200 (diffusers): 85 ms bf16, 114 ms FP32 at 1024^2.
+
+diffusers under `torch.compile` (`--peer-compile`, default mode by default; `none` skips it):
+`torch.compile(vae.decode, mode=...)` per dtype and size, timed like the eager column, with
+its first call's seconds (the compile; cold only where the printed inductor cache was empty)
+and ours' speedup over it: a user compiles the peer in one line, so that is the column to beat.
+`--peer-channels-last` puts diffusers' model and latents in channels-last for those columns
+(diffusers' own torch.compile recipe; its eager column stays NCHW). `--profile`: our decoder
+(and its NHWC twin) at the largest size of each dtype under torch.profiler: wall vs kernel-busy
+ms per call, time per kernel family and the top kernels (CPU op time on a CPU), printed after
+the table.
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import (PEER_COMPILE_HELP, compile_peer, inductor_cache_state, peer_compile_modes,  # noqa: E402
+                   print_profile, profile_kernels, release_compiled)
 from modalmesh.attention import configure  # noqa: E402
 from services.vae.config import VAEConfig, find_vae_dir  # noqa: E402
 from services.vae.engine import ON, TilingDefaults, TilingRequest, VAEEngine  # noqa: E402
@@ -108,7 +122,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tile-batch", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (runs on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--peer-compile", default="default", metavar="MODES", help=PEER_COMPILE_HELP)
+    parser.add_argument("--peer-channels-last", action="store_true",
+                        help="diffusers' compiled columns on a channels-last model and latents (its eager stays NCHW)")
+    parser.add_argument("--profile", action="store_true",
+                        help="our decoder under torch.profiler at the largest size: busy vs wall, top kernels")
     args = parser.parse_args(argv)
+    compile_modes = peer_compile_modes(args.peer_compile)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -132,10 +152,18 @@ def main(argv=None) -> int:
     print(f"# VAE decode on {gpu}: torch {torch.__version__}, diffusers {diffusers.__version__}, "
           f"batch {args.batch}, {'model ' + args.model if args.model else 'random weights (SDXL VAE shape)'}, "
           f"cudnn.benchmark={torch.backends.cudnn.benchmark}, cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
-    header = ["size", "dtype", "attention", "ours ms/img", "ours NHWC ms/img", "diffusers ms/img", "speedup",
-              "ours peak GiB", "diffusers peak GiB", "max|ours-diffusers|"]
+    peer_layout = " NHWC" if args.peer_channels_last else ""
+    if compile_modes:
+        print(f"# diffusers' decode under torch.compile{' (channels-last)' if peer_layout else ''}, modes "
+              f"{', '.join(compile_modes)}; speedup = diffusers' ms over ours' best; inductor cache "
+              f"{inductor_cache_state()}")
+    header = ["size", "dtype", "attention", "ours ms/img", "ours NHWC ms/img", "diffusers ms/img", "speedup"]
+    for mode in compile_modes:
+        header += [f"diffusers {mode}{peer_layout} ms/img", "compile s", "speedup"]
+    header += ["ours peak GiB", "diffusers peak GiB", "max|ours-diffusers|"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
+    profiles = []
     for dtype_name in [d for d in args.dtypes.split(",") if d]:
         dtype = DTYPES[dtype_name]
         reference.float().load_state_dict(full_state)  # exact FP32 weights, then this dtype (as ours gets them)
@@ -160,10 +188,34 @@ def main(argv=None) -> int:
             ref_ms = timer(lambda: ref.decode(z).sample, device, args.warmup, args.iters) / args.batch
             ref_peak = peak_gib(device)
             best = min(ours_ms, nhwc_ms) if nhwc is not None else ours_ms
+            compiled_cells = ""
+            for mode in compile_modes:
+                if args.peer_channels_last:
+                    ref.to(memory_format=torch.channels_last)
+                zin = z.contiguous(memory_format=torch.channels_last) if args.peer_channels_last else z
+                forward, compile_s, why = compile_peer(ref.decode, lambda decode: decode(zin).sample, mode, device)
+                if forward is None:
+                    print(f"# diffusers compiled ({mode}), {size}x{size} {dtype_name}: not run: {why}")
+                    compiled_cells += " n/a | - | - |"
+                else:
+                    compiled_ms = timer(forward, device, args.warmup, args.iters) / args.batch
+                    compiled_cells += f" {compiled_ms:.2f} | {compile_s:.1f} | {compiled_ms / best:.2f}x |"
+                    del forward
+                    release_compiled(device)
+                if args.peer_channels_last:
+                    ref.to(memory_format=torch.contiguous_format)  # its eager column stays NCHW
             print(f"| {size}x{size} | {dtype_name} | {backend} | {ours_ms:.2f} | {nhwc_ms:.2f} | {ref_ms:.2f} | "
-                  f"{ref_ms / best:.2f}x | {ours_peak:.2f} | {ref_peak:.2f} | {diff:.2e} |", flush=True)
+                  f"{ref_ms / best:.2f}x |{compiled_cells} {ours_peak:.2f} | {ref_peak:.2f} | {diff:.2e} |", flush=True)
+            if args.profile and size == max(sizes):
+                calls = {f"ours NCHW {dtype_name}": lambda: ours(z)}
+                if nhwc is not None:
+                    calls[f"ours NHWC {dtype_name}"] = lambda: nhwc(zc)
+                profiles.append((f"{size}x{size} {dtype_name}, batch {args.batch}",
+                                 profile_kernels(calls, device, max(3, args.iters // 2))))
         del ours, nhwc
         reset_peak(device)
+    for title, profiled in profiles:
+        print_profile(profiled, device, title)
     del reference, full_state
 
     if args.largest:
