@@ -20,6 +20,9 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh profile-19 table-19   # issue 19 (nvidia-h200), call 1: the towers' and VAE's kernels, the
+#       table with HF compiled (default mode) beside ours; then vae-compiled-19 (call 2: diffusers compiled, NCHW and
+#       channels-last), and vae-autotune-19, siglip-autotune-19 (max-autotune, a call each) if the table needs them
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -297,6 +300,43 @@ for name in "$@"; do
             step llm-gemv 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf
             step llm-cublas 120 env CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py --batches 1,2,4,32 --no-hf --no-gemv
             step serve-final 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
+        profile-19)  # issue 19: where our towers' and decoder's kernel time goes, at the table's shapes (no compiled
+            # peer here: table-19 has it). Estimates (the step lines print the real seconds): 60, 65, 35 s
+            step vision-profile 75 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
+                --no-hf --peer-compile none --profile
+            step audio-profile 80 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none --profile \
+                --profile-batch 1 16
+            step vae-profile 50 python3 bench/vae.py --sizes 1024 --largest '' --peer-compile none --profile
+            # each profile's wall / busy / idle table and its calls' kernel families (the top kernels: the logs)
+            awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/{vision,audio,vae}-profile.log ;;
+        table-19)  # issue 19's table: ours, the eager peer and HF under torch.compile (default mode; a fresh inductor
+            # cache each, so the compile seconds are a cold start), the VAE without its compiled peer (vae-compiled-19).
+            # With profile-19 in one 600 s call: 565 s of limits + about 30 s of set-up. Estimates: 150 s (three
+            # compiles, SigLIP's the longest), 110 s (two compiles), 35 s
+            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
+            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
+                --json "$OUT/audio-table.json"
+            step vae-table 50 python3 bench/vae.py --sizes 1024 --largest-sides 4096 --peer-compile none
+            grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
+            grep -h "^|" "$OUT/vae-table.log" ;;
+        vae-compiled-19)  # issue 19: diffusers' decode compiled (default mode, 1024^2, FP32 and bf16), as is and in
+            # channels-last (its docs' recipe); about 150 s each, mostly the four compiles
+            step vae-compiled 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest '' --no-channels-last
+            step vae-compiled-nhwc 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest '' --no-channels-last --peer-channels-last
+            grep -h "^|\|^# diffusers" "$OUT"/vae-compiled{,-nhwc}.log ;;
+        vae-autotune-19)  # issue 19's strongest VAE peer: diffusers compiled with max-autotune at 1024^2 bf16 (the issue
+            # measured 250 s to compile)
+            step vae-autotune 540 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --dtypes bfloat16 --largest '' --no-channels-last --peer-compile max-autotune
+            grep -h "^|" "$OUT/vae-autotune.log" ;;
+        siglip-autotune-19)  # issue 19's strongest SigLIP peer: HF compiled with max-autotune at batch 32
+            step siglip-autotune 540 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+                --only siglip-b32 --peer-compile max-autotune
+            grep -h -E "^(# HF|case|siglip)" "$OUT/siglip-autotune.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
