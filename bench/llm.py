@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import sync  # noqa: E402
 from modalmesh.metrics import Metrics  # noqa: E402
 from modalmesh.testing import tiny  # noqa: E402
 from services.llm.config import LLMConfig  # noqa: E402
@@ -37,11 +38,6 @@ QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, n
                  tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 QUICK = dict(QWEN25_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device) -> float:
