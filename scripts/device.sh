@@ -2,7 +2,7 @@
 # Every GPU step of a stop, for the device machine (see /work/.library/device): install the carried
 # wheels, then run the named steps in order, each under its own timeout, each logging to $OUT/<step>.log.
 #
-#   carry: .whl (made by scripts/device-wheels.sh)    kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
+#   carry: .whl (made by scripts/device-wheels.sh; its `nvimgcodec` set for the GPU-decode steps of issue 18)    kind: nvidia-h200-x2 (TP and placement steps need both GPUs)
 #   bash scripts/device.sh cuda-tests llm-tp2 serve-tp2 tp1-pair
 #   bash scripts/device.sh tests-pair fused-ab llm-tp2      # issue 17's first check of the fused kernels
 #   bash scripts/device.sh tests-pair attention-tests cuda-tp-tests fused-ab         # issue 17, call 1 of 2
@@ -16,6 +16,7 @@
 #   (then whisper-replicas)
 #   bash scripts/device.sh prefix-tests multiturn        # issue 22 (nvidia-h200), call 1 of 2
 #   bash scripts/device.sh prefix-ab                     # issue 22, call 2 of 2: no sharing, on against off
+#   bash scripts/device.sh video-cuda                    # issue 21's last CUDA test (device-wheels.sh video)
 #   bash scripts/device.sh encoder-tests encode-load encode-final-ab   # the same round's table (.prev carried)
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
@@ -254,6 +255,9 @@ for name in "$@"; do
             step prefix-tests 330 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py tests/test_sampling.py \
                 tests/test_structured.py -k "not tensor_parallel" ;;
         multiturn) step multiturn 420 python3 bench/multiturn.py ;;
+        video-cuda)  # issue 21: video beside images on the vision encoder's CUDA preprocessing path (wheels: video set)
+            step video-cuda 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_video_encoder.py \
+                tests/test_vision_device_preprocess.py -k "cuda" ;;
         prefix-ab)  # issue 22: no sharing (random prompts), the cache on against off: in process, then served
             step llm-prefix-on 150 python3 bench/llm.py --batches 1,256,256 --no-hf
             step llm-prefix-off 150 python3 bench/llm.py --batches 1,256,256 --no-hf --no-prefix-caching

@@ -17,6 +17,7 @@ from modalmesh import pb
 from modalmesh.errors import InvalidArgument
 from modalmesh.rpc.codec import to_proto
 from modalmesh.testing import tiny
+from modalmesh.testing.precision import ieee_fp32_convolutions
 from services.audio_encoder import flags as audio_flags
 from services.audio_encoder.audio import Resampler, downmix
 from services.audio_encoder.device_features import DeviceFeatures
@@ -149,17 +150,8 @@ def test_cuda_log_mel_is_within_the_stated_tolerance_of_the_cpu_path(rate, secon
 
 
 @pytest.fixture
-def ieee_convolutions(monkeypatch):
-    """cuDNN takes float32 convolutions (the towers' stem) as TF32 by default; IEEE here, so the
-    comparison below measures the features' difference, not TF32 rounding flips in the stem."""
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9; do not mix with allow_tf32
-        old = conv.fp32_precision
-        conv.fp32_precision = "ieee"
-        yield
-        conv.fp32_precision = old
-    else:
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def ieee_convolutions():
+    with ieee_fp32_convolutions():
         yield
 
 

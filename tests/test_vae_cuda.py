@@ -16,6 +16,7 @@ from modalmesh.attention import selector as selector_mod
 from modalmesh.ops.launcher import ServiceProcess
 from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.testing import tiny
+from modalmesh.testing.precision import ieee_fp32_convolutions
 from services.vae.config import VAEConfig
 from services.vae.engine import OFF, ON, TilingRequest, VAEEngine, to_unit
 from services.vae.weights import build_decoder, load_decoder_state
@@ -41,17 +42,8 @@ def cuda_selector(monkeypatch):
 
 
 @pytest.fixture
-def no_tf32(monkeypatch):
-    """IEEE FP32 convolutions (matmuls are already: float32_matmul_precision defaults to 'highest')."""
-    assert torch.get_float32_matmul_precision() == "highest"
-    conv = getattr(torch.backends.cudnn, "conv", None)
-    if conv is not None and hasattr(conv, "fp32_precision"):  # torch >= 2.9 API; do not mix with allow_tf32
-        old = conv.fp32_precision
-        conv.fp32_precision = "ieee"
-        yield
-        conv.fp32_precision = old
-    else:
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+def no_tf32():
+    with ieee_fp32_convolutions():
         yield
 
 
