@@ -11,7 +11,9 @@ Random weights in the SDXL VAE shape (block_out_channels 128/256/512/512,
 given: diffusers' model is built from that config in code (nothing is
 downloaded) and its weights are copied into ours, so both decode the same
 function and the table shows the difference between the two outputs too.
-Timing: CUDA events around each call after warm-up, median of --iters.
+Timing: CUDA events around each call after warm-up, median of --iters. "ours unfused" is our decoder
+with PyTorch's GroupNorm and SiLU (`fused_kernels=False`, NCHW): what the Triton GroupNorm bought.
+"Speedup" is over ours' best fused column.
 Baselines measured on one H200 (diffusers): 85 ms bf16, 114 ms FP32 at 1024^2.
 
 diffusers under `torch.compile` (`--peer-compile`, default mode by default; `none` skips it):
@@ -96,8 +98,8 @@ def build_reference(args, device):
     return ref.to(device).eval().requires_grad_(False)
 
 
-def build_ours(cfg: VAEConfig, state, device, dtype, seqlen_hint, channels_last=False):
-    model = build_decoder(cfg, dtype=dtype, seqlen_hint=seqlen_hint)
+def build_ours(cfg: VAEConfig, state, device, dtype, seqlen_hint, channels_last=False, fused=True):
+    model = build_decoder(cfg, dtype=dtype, seqlen_hint=seqlen_hint, fused_kernels=fused)
     load_decoder_state(model, state, device=device, dtype=dtype)
     if channels_last:
         model.to(memory_format=torch.channels_last)
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-channels-last", action="store_true", help="skip the NHWC column")
+    parser.add_argument("--no-unfused", action="store_true",
+                        help="skip the column of ours without its Triton GroupNorm(+SiLU) (PyTorch's, NCHW)")
     parser.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark for both")
     parser.add_argument("--attention-backend", default=None, help="e.g. vae=sdpa_efficient")
     parser.add_argument("--largest", default="bfloat16", help="dtype for the largest tiled decode ('' skips it)")
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
         print(f"# diffusers' decode under torch.compile{' (channels-last)' if peer_layout else ''}, modes "
               f"{', '.join(compile_modes)}; speedup = diffusers' ms over ours' best; inductor cache "
               f"{inductor_cache_state()}")
-    header = ["size", "dtype", "attention", "ours ms/img", "ours NHWC ms/img", "diffusers ms/img", "speedup"]
+    header = ["size", "dtype", "attention", "ours ms/img", "ours NHWC ms/img", "ours unfused ms/img",
+              "diffusers ms/img", "speedup"]
     for mode in compile_modes:
         header += [f"diffusers {mode}{peer_layout} ms/img", "compile s", "speedup"]
     header += ["ours peak GiB", "diffusers peak GiB", "max|ours-diffusers|"]
@@ -171,6 +176,7 @@ def main(argv=None) -> int:
         hint = (max(sizes) // cfg.scale_factor) ** 2
         ours = build_ours(cfg, state, device, dtype, hint)
         nhwc = None if args.no_channels_last else build_ours(cfg, state, device, dtype, hint, channels_last=True)
+        unfused = None if args.no_unfused else build_ours(cfg, state, device, dtype, hint, fused=False)
         backend = ours.decoder.mid_block.attentions[0].attn.backend_name if cfg.mid_block_add_attention else "-"
         for size in sizes:
             side = size // cfg.scale_factor
@@ -184,6 +190,9 @@ def main(argv=None) -> int:
             if nhwc is not None:
                 zc = z.contiguous(memory_format=torch.channels_last)
                 nhwc_ms = timer(lambda: nhwc(zc), device, args.warmup, args.iters) / args.batch
+            unfused_ms = float("nan")
+            if unfused is not None:
+                unfused_ms = timer(lambda: unfused(z), device, args.warmup, args.iters) / args.batch
             reset_peak(device)
             ref_ms = timer(lambda: ref.decode(z).sample, device, args.warmup, args.iters) / args.batch
             ref_peak = peak_gib(device)
@@ -204,7 +213,8 @@ def main(argv=None) -> int:
                     release_compiled(device)
                 if args.peer_channels_last:
                     ref.to(memory_format=torch.contiguous_format)  # its eager column stays NCHW
-            print(f"| {size}x{size} | {dtype_name} | {backend} | {ours_ms:.2f} | {nhwc_ms:.2f} | {ref_ms:.2f} | "
+            print(f"| {size}x{size} | {dtype_name} | {backend} | {ours_ms:.2f} | {nhwc_ms:.2f} | {unfused_ms:.2f} | "
+                  f"{ref_ms:.2f} | "
                   f"{ref_ms / best:.2f}x |{compiled_cells} {ours_peak:.2f} | {ref_peak:.2f} | {diff:.2e} |", flush=True)
             if args.profile and size == max(sizes):
                 calls = {f"ours NCHW {dtype_name}": lambda: ours(z)}
@@ -212,7 +222,7 @@ def main(argv=None) -> int:
                     calls[f"ours NHWC {dtype_name}"] = lambda: nhwc(zc)
                 profiles.append((f"{size}x{size} {dtype_name}, batch {args.batch}",
                                  profile_kernels(calls, device, max(3, args.iters // 2))))
-        del ours, nhwc
+        del ours, nhwc, unfused
         reset_peak(device)
     for title, profiled in profiles:
         print_profile(profiled, device, title)

@@ -2,8 +2,9 @@
 
 Each kernel is checked through the layer that calls it, against the same layer
 built without it: RMSNorm (with and without the residual add), GatedMLP's
-SiLU * up, and RoPE + the paged KV write (the rotated q, and every slot of the
-pool afterwards). float32 must agree to float32 rounding; bfloat16 to one
+SiLU * up, RoPE + the paged KV write (the rotated q, and every slot of the
+pool afterwards), and GroupNorm (+ SiLU) in NCHW and channels-last, alone and
+through the VAE decoder. float32 must agree to float32 rounding; bfloat16 to one
 rounding of the activation dtype.
 
 They run on CUDA (the device machine). Without a GPU they run only under
@@ -18,7 +19,7 @@ import torch
 
 from modalmesh import kernels
 from modalmesh.attention.paged import store_kv
-from modalmesh.layers import GatedMLP, RMSNorm
+from modalmesh.layers import GatedMLP, GroupNorm, RMSNorm
 from modalmesh.layers.rotary import RotaryEmbedding
 
 DEVICES = []
@@ -91,6 +92,106 @@ def test_silu_and_mul_kernel_equals_the_pytorch_path(device, dtype, intermediate
         gate, up = gate_up.chunk(2, dim=-1)
         from modalmesh.kernels.activation import silu_and_mul
         torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, **TOL[dtype])
+
+
+GROUP_NORM_CASES = [  # (N, C, H, W, groups): channels per group 4 / 3 (not a power of two) / 16 / 1
+    (2, 32, 9, 7, 8), (1, 12, 33, 65, 4), (1, 64, 40, 40, 4), (3, 6, 1, 5, 6),
+    (1, 8, 64, 64, 2),  # 4,096 pixels: several chunks per group in both layouts, merged by group_moments
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("case", GROUP_NORM_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_group_norm_kernel_equals_the_pytorch_path(device, dtype, layout, silu, case):
+    _check_group_norm(device, dtype, layout, silu, case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("case", GROUP_NORM_CASES[1::3], ids=lambda c: "x".join(map(str, c)))
+def test_group_norm_kernel_merges_tiles_within_a_program(device, layout, case, monkeypatch):
+    """One stats program per channel block, walking every tile of the pixels (what a 1024² image does with
+    many tiles per chunk); the cases above have a tile per chunk at these sizes."""
+    from modalmesh.kernels import group_norm as gn
+
+    monkeypatch.setattr(gn, "TARGET_PROGRAMS", 1)
+    _check_group_norm(device, torch.float32, layout, True, case)
+
+
+def _check_group_norm(device, dtype, layout, silu, case):
+    n, c, h, w, groups = case
+    ref, fused = _pair(lambda f: GroupNorm(groups, c, 1e-6, silu=silu, fused=f), device, dtype)
+    torch.manual_seed(2)
+    x = (torch.randn(n, c, h, w, device=device) * 3 + 20).to(dtype)  # an offset mean: the variance must not cancel
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        want, got = ref(x), fused(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.stride() == x.stride()  # the output keeps the input's memory format
+    if dtype == torch.float32:
+        # Against float64: y = x * a + b' with a = rstd * weight, b' = bias - a * mean cancels at this mean, so
+        # float32 rounding alone errs by a few ulps of |x * a| + |b'| (PyTorch's own path as well)
+        xd, w, bias = x.double(), ref.weight.double(), ref.bias.double()
+        exact = torch.nn.functional.group_norm(xd, groups, w, bias, ref.eps)
+        exact = torch.nn.functional.silu(exact) if silu else exact
+        grouped = xd.reshape(n, groups, -1)
+        mean = grouped.mean(-1).repeat_interleave(c // groups, 1)
+        a = (grouped.var(-1, unbiased=False) + ref.eps).rsqrt().repeat_interleave(c // groups, 1) * w
+        scale = (xd.abs().amax((2, 3)) * a.abs() + (bias - a * mean).abs()).max().item()
+        bound = 8 * torch.finfo(torch.float32).eps * scale
+        ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, want))
+        assert ours <= bound, (ours, theirs, bound)
+    else:  # one rounding of the dtype (two with SiLU), plus the interpreter's truncation on the CPU
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norm_kernel_takes_views_and_falls_back_where_pixels_do_not_flatten(device, monkeypatch):
+    from modalmesh.kernels import group_norm as gn
+
+    calls = []
+    monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(1) or _fn(*a, **k))
+    ref, fused = _pair(lambda f: GroupNorm(4, 8, 1e-5, silu=True, fused=f), device, torch.float32)
+    base = torch.randn(2, 12, 10, 11, device=device)
+    channels = base[:, 2:10]  # a channel slice: strided, but its pixels still flatten
+    columns = base[:, :8, :, 1:]  # a column slice: rows and columns no longer flatten to one stride
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(channels), ref(channels), **TOL[torch.float32])
+        assert len(calls) == 1
+        torch.testing.assert_close(fused(columns), ref(columns), **TOL[torch.float32])
+        assert len(calls) == 1  # the PyTorch path
+    assert not gn.fusable(columns, ref.weight, ref.bias) and not gn.fusable(channels, None, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_path, monkeypatch):
+    from modalmesh.kernels import group_norm as gn
+    from modalmesh.testing import tiny
+    from services.vae.config import VAEConfig
+    from services.vae.weights import build_decoder, load_decoder
+
+    calls = []
+    monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(k["silu"]) or _fn(*a, **k))
+    vae_dir = tiny.ensure("vae", tmp_path)
+    cfg = VAEConfig.from_dir(vae_dir)
+    models = []
+    for fused in (False, True):
+        model = build_decoder(cfg, dtype=torch.float32, fused_kernels=fused)
+        load_decoder(model, vae_dir, device=torch.device(device), dtype=torch.float32)
+        models.append(model)
+    z = torch.randn(1, cfg.latent_channels, 12, 10, device=device)
+    with torch.inference_mode():
+        want = models[0](z)
+        assert not calls
+        got = models[1](z)
+        got_cl = models[1](z.contiguous(memory_format=torch.channels_last))
+    assert True in calls and False in calls  # the resnets' GroupNorm+SiLU and the attention's GroupNorm
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+    torch.testing.assert_close(got_cl, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
 def test_gated_mlp_fuses_only_silu():

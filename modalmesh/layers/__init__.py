@@ -1,4 +1,4 @@
-"""Shared nn building blocks: TP linears, vocab-parallel embedding, norms, MLPs.
+"""Shared nn building blocks: TP linears, vocab-parallel embedding, norms (RMS, layer, group), MLPs.
 
 Rotary embeddings and attention live in `modalmesh.attention` / their own modules.
 """
@@ -13,10 +13,10 @@ from modalmesh.layers.linear import (
     RowParallelLinear,
 )
 from modalmesh.layers.mlp import MLP, GatedMLP, get_activation
-from modalmesh.layers.norm import LayerNorm, RMSNorm
+from modalmesh.layers.norm import GroupNorm, LayerNorm, RMSNorm
 
 __all__ = [
-    "ColumnParallelLinear", "GatedMLP", "LayerNorm", "LinearBase", "MLP", "MergedColumnParallelLinear",
+    "ColumnParallelLinear", "GatedMLP", "GroupNorm", "LayerNorm", "LinearBase", "MLP", "MergedColumnParallelLinear",
     "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RowParallelLinear",
     "VocabParallelEmbedding", "get_activation",
 ]

@@ -5,6 +5,11 @@ normalised activations cast back to the input dtype before the weight scales
 them. ``forward(x, residual)`` fuses the residual add that precedes every
 pre-norm in a decoder layer and returns the new residual as well. Built with
 ``fused=True``, it runs as one Triton kernel on CUDA (`modalmesh.kernels.norm`).
+
+GroupNorm is nn.GroupNorm (same parameters, so checkpoints load by the same names)
+with the SiLU that follows it in a VAE's resnet blocks folded in (``silu=True``);
+``fused=True`` runs both as `modalmesh.kernels.group_norm` on CUDA, in NCHW or
+channels-last.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modalmesh import kernels
+from modalmesh.kernels import group_norm as group_norm_kernels
 from modalmesh.kernels import norm as norm_kernels
 from modalmesh.weights.param import default_weight_loader, set_weight_loader
 
@@ -68,3 +74,20 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class GroupNorm(nn.GroupNorm):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, *, silu: bool = False,
+                 fused: bool = False):
+        super().__init__(num_groups, num_channels, eps=eps)
+        self.silu = silu
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.weight, self.bias):
+            return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu)
+        y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return F.silu(y) if self.silu else y
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", silu" if self.silu else "") + (", fused" if self.fused else "")

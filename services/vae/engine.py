@@ -87,11 +87,11 @@ class VAEEngine:
     @classmethod
     def load(cls, vae_dir: str | Path, *, device: torch.device, dtype: torch.dtype, dummy: bool = False,
              metrics=None, tile: int = 0, overlap: int = -1, threshold: int = 0, tile_batch: int = 4,
-             **kwargs) -> VAEEngine:
+             fused_kernels: bool = True, **kwargs) -> VAEEngine:
         cfg = VAEConfig.from_dir(vae_dir)
         tiling = TilingDefaults.for_config(cfg, tile, overlap, threshold, tile_batch)
         # The attention kernel is chosen for the typical call: one tile-sized latent.
-        model = build_decoder(cfg, dtype=dtype, seqlen_hint=tiling.threshold ** 2)
+        model = build_decoder(cfg, dtype=dtype, seqlen_hint=tiling.threshold ** 2, fused_kernels=fused_kernels)
         engine_report = load_decoder(model, vae_dir, device=device, dtype=dtype, dummy=dummy, metrics=metrics)
         log.info("%s", engine_report.summary())
         return cls(cfg, model, device=device, dtype=dtype, tiling=tiling, **kwargs)

@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="AUTO tiling when an untiled decode would need more (0: free device memory on CUDA)")
     g.add_argument("--channels-last", action="store_true", help="NHWC activations (CUDA convolutions)")
     g.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time conv algorithms per shape")
+    g.add_argument("--no-fused-kernels", action="store_true",
+                   help="PyTorch's GroupNorm and SiLU on CUDA too (no Triton kernels)")
     g.add_argument("--png-compress-level", type=int, default=1, choices=range(10), metavar="0-9")
 
 

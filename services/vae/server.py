@@ -65,7 +65,8 @@ class VAEDecoderService(Service):
             log.warning("this VAE's config asks for force_upcast: float16 decoding may overflow "
                         "(use bfloat16 or float32)")
         # Built on meta now so that an attention override that cannot serve this model fails start-up.
-        self.model = build_decoder(self.cfg, dtype=self.dtype, seqlen_hint=self.tiling.threshold ** 2)
+        self.model = build_decoder(self.cfg, dtype=self.dtype, seqlen_hint=self.tiling.threshold ** 2,
+                                   fused_kernels=settings.fused_kernels)
 
     def register(self, server) -> None:
         server.add_service(self.grpc_service, pb.vae_pb2_grpc.add_VAEServiceServicer_to_server,

@@ -20,9 +20,12 @@ from services.vae.config import VAEConfig
 from services.vae.models import ARCHITECTURES, AutoencoderKLDecoder
 
 
-def build_decoder(cfg: VAEConfig, *, dtype: torch.dtype, seqlen_hint: int | None = None) -> AutoencoderKLDecoder:
-    """The decoder on the meta device with its loader rules attached (no memory yet)."""
-    return build_model(pick(cfg, ARCHITECTURES, what="VAE"), cfg, dtype=dtype, seqlen_hint=seqlen_hint)
+def build_decoder(cfg: VAEConfig, *, dtype: torch.dtype, seqlen_hint: int | None = None,
+                  fused_kernels: bool = True) -> AutoencoderKLDecoder:
+    """The decoder on the meta device with its loader rules attached (no memory yet); `fused_kernels`: its
+    GroupNorm(+SiLU) as Triton kernels on CUDA."""
+    return build_model(pick(cfg, ARCHITECTURES, what="VAE"), cfg, dtype=dtype, seqlen_hint=seqlen_hint,
+                       fused_kernels=fused_kernels)
 
 
 def load_decoder(model: AutoencoderKLDecoder, vae_dir: str | Path, *, device, dtype: torch.dtype,

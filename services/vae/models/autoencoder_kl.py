@@ -14,7 +14,9 @@ load by name. How checkpoints map onto it is class data (modalmesh/models.py):
   weights ``(C, C, 1, 1)``; the parameters are linears ``(C, C)``. The rule is a
   ``weight_loader`` on the matching parameters, so the model has no format branch.
 
-Attention goes through `modalmesh.attention`.
+Attention goes through `modalmesh.attention`. Each GroupNorm that a SiLU follows takes it in
+(``GroupNorm(silu=True)``); with ``fused_kernels`` both run as one Triton kernel family on CUDA
+(`modalmesh.kernels.group_norm`: PyTorch's own GroupNorm left most of an H100 idle at 1024²).
 
     model = AutoencoderKLDecoder(cfg, dtype=torch.float32)
     pixels = model(z)            # z as AutoencoderKL.decode takes it -> (B, 3, 8h, 8w) in about [-1, 1]
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modalmesh.attention import Attention
+from modalmesh.layers import GroupNorm
 from modalmesh.models import CheckpointModel
 from modalmesh.weights import WeightMismatchError, WeightsMapper, default_weight_loader
 from services.vae.config import VAEConfig
@@ -51,17 +54,17 @@ def conv1x1_as_linear(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) 
 
 
 class ResnetBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, groups: int, eps: float):
+    def __init__(self, cin: int, cout: int, groups: int, eps: float, fused: bool):
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, cin, eps=eps)
+        self.norm1 = GroupNorm(groups, cin, eps, silu=True, fused=fused)
         self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm2 = nn.GroupNorm(groups, cout, eps=eps)
+        self.norm2 = GroupNorm(groups, cout, eps, silu=True, fused=fused)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(self.norm1(x))
+        h = self.conv2(self.norm2(h))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
         return x + h
@@ -71,10 +74,10 @@ class SpatialSelfAttention(nn.Module):
     """Group norm, single-head self-attention over the h*w positions, output projection, residual."""
 
     def __init__(self, channels: int, head_dim: int, groups: int, eps: float, dtype: torch.dtype | None,
-                 seqlen_hint: int | None):
+                 seqlen_hint: int | None, fused: bool):
         super().__init__()
         self.heads, self.head_dim = channels // head_dim, head_dim
-        self.group_norm = nn.GroupNorm(groups, channels, eps=eps)
+        self.group_norm = GroupNorm(groups, channels, eps, fused=fused)
         self.to_q = nn.Linear(channels, channels)
         self.to_k = nn.Linear(channels, channels)
         self.to_v = nn.Linear(channels, channels)
@@ -90,12 +93,12 @@ class SpatialSelfAttention(nn.Module):
 
 
 class MidBlock(nn.Module):
-    def __init__(self, cfg: VAEConfig, channels: int, dtype, seqlen_hint):
+    def __init__(self, cfg: VAEConfig, channels: int, dtype, seqlen_hint, fused: bool):
         super().__init__()
         groups, eps = cfg.norm_num_groups, cfg.norm_eps
-        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups, eps) for _ in range(2)])
+        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups, eps, fused) for _ in range(2)])
         self.attentions = nn.ModuleList(
-            [SpatialSelfAttention(channels, cfg.attention_head_dim, groups, eps, dtype, seqlen_hint)]
+            [SpatialSelfAttention(channels, cfg.attention_head_dim, groups, eps, dtype, seqlen_hint, fused)]
             if cfg.mid_block_add_attention else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,9 +118,10 @@ class Upsample(nn.Module):
 
 
 class UpDecoderBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, layers: int, groups: int, eps: float, upsample: bool):
+    def __init__(self, cin: int, cout: int, layers: int, groups: int, eps: float, upsample: bool, fused: bool):
         super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock(cin if i == 0 else cout, cout, groups, eps) for i in range(layers)])
+        self.resnets = nn.ModuleList([ResnetBlock(cin if i == 0 else cout, cout, groups, eps, fused)
+                                      for i in range(layers)])
         self.upsamplers = nn.ModuleList([Upsample(cout)]) if upsample else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,24 +133,24 @@ class UpDecoderBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: VAEConfig, dtype, seqlen_hint):
+    def __init__(self, cfg: VAEConfig, dtype, seqlen_hint, fused: bool):
         super().__init__()
         channels = list(reversed(cfg.block_out_channels))
         groups, eps = cfg.norm_num_groups, cfg.norm_eps
         self.conv_in = nn.Conv2d(cfg.latent_channels, channels[0], 3, padding=1)
-        self.mid_block = MidBlock(cfg, channels[0], dtype, seqlen_hint)
+        self.mid_block = MidBlock(cfg, channels[0], dtype, seqlen_hint, fused)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock(channels[max(i - 1, 0)], channels[i], cfg.layers_per_block + 1, groups, eps,
-                           upsample=i < len(channels) - 1)
+                           upsample=i < len(channels) - 1, fused=fused)
             for i in range(len(channels)))
-        self.conv_norm_out = nn.GroupNorm(groups, channels[-1], eps=eps)
+        self.conv_norm_out = GroupNorm(groups, channels[-1], eps, silu=True, fused=fused)
         self.conv_out = nn.Conv2d(channels[-1], cfg.out_channels, 3, padding=1)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             x = block(x)
-        return self.conv_out(F.silu(self.conv_norm_out(x)))
+        return self.conv_out(self.conv_norm_out(x))
 
 
 class AutoencoderKLDecoder(nn.Module, CheckpointModel):
@@ -160,12 +164,13 @@ class AutoencoderKLDecoder(nn.Module, CheckpointModel):
         ("decoder.mid_block.attentions.*.to_out.0.weight", conv1x1_as_linear),
     )
 
-    def __init__(self, cfg: VAEConfig, *, dtype: torch.dtype | None = None, seqlen_hint: int | None = None):
+    def __init__(self, cfg: VAEConfig, *, dtype: torch.dtype | None = None, seqlen_hint: int | None = None,
+                 fused_kernels: bool = True):
         super().__init__()
         self.config = cfg
         self.post_quant_conv = (nn.Conv2d(cfg.latent_channels, cfg.latent_channels, 1)
                                 if cfg.use_post_quant_conv else None)
-        self.decoder = Decoder(cfg, dtype, seqlen_hint)
+        self.decoder = Decoder(cfg, dtype, seqlen_hint, fused_kernels)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         if self.post_quant_conv is not None:
