@@ -205,7 +205,8 @@ def run_case(case: Case, args, device, dtype) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(cfg, proc, Path(tmp))
         ours = build_encoder_model(tmp, device=device, dtype=dtype, dummy=True,
-                                   options={"siglip_output": "both", "preprocess_device": "cpu"})  # HF: both
+                                   options={"siglip_output": "both", "preprocess_device": "cpu",  # HF: both
+                                            "fused_kernels": not args.no_fused_kernels})
         rates = preprocess_rates(tmp, ours, case, args, device, dtype, side)
     t0 = time.perf_counter()
     prepared = [ours.prepare(item, i) for i, item in enumerate(items)]
@@ -276,6 +277,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-attn", default="sdpa", help="HF attn implementations, comma-separated "
                                                           "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-fused-kernels", action="store_true",
+                        help="the Qwen towers without their Triton kernels (rotary, RMSNorm, SiLU*up): the A/B")
     parser.add_argument("--peer-compile", default="default", metavar="MODES",
                         help=PEER_COMPILE_HELP + " (the first --hf-attn model)")
     parser.add_argument("--profile", action="store_true",
@@ -294,7 +297,8 @@ def main(argv=None) -> int:
         cases = [Case(c.name, c.family, min(c.batch, 2), 56) for c in cases]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# vision towers on {gpu}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
-          f"median of {args.iters}{' (quick shapes)' if args.quick else ''}")
+          f"median of {args.iters}{' (quick shapes)' if args.quick else ''}, Qwen towers' Triton kernels "
+          f"{'off' if args.no_fused_kernels else 'on (on CUDA)'}")
     if args.compile_modes:
         print(f"# HF {args.hf_attn[0]} under torch.compile, modes {', '.join(args.compile_modes)} (x HFc: ours' "
               f"speedup over it); inductor cache {inductor_cache_state()}")

@@ -21,6 +21,7 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh groupnorm-19          # issue 19: the Triton GroupNorm's tests and what it buys the VAE
 #   bash scripts/device.sh profile-19 table-19   # issue 19 (nvidia-h200), call 1: the towers' and VAE's kernels, the
 #       table with HF compiled (default mode) beside ours; then vae-compiled-19 (call 2: diffusers compiled, NCHW and
 #       channels-last), and vae-autotune-19, siglip-autotune-19 (max-autotune, a call each) if the table needs them
@@ -325,6 +326,14 @@ for name in "$@"; do
             grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
             grep -h "^|" "$OUT/vae-table.log" ;;
+        groupnorm-19)  # issue 19: the Triton GroupNorm(+SiLU) against PyTorch's path, then the VAE at 1024^2 with
+            # it (NCHW, NHWC) beside ours unfused and diffusers eager, and where the kernel time goes now
+            step groupnorm-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "group_norm or vae_decoder or parity"
+            step vae-groupnorm 120 python3 bench/vae.py --sizes 1024 --largest '' --peer-compile none --profile
+            grep -h "^|" "$OUT/vae-groupnorm.log"
+            awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
+                "$OUT/vae-groupnorm.log" ;;
         vae-compiled-19)  # issue 19: diffusers' decode compiled (default mode, 1024^2, FP32 and bf16), as is and in
             # channels-last (its docs' recipe); about 150 s each, mostly the four compiles
             step vae-compiled 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \

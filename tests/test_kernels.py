@@ -194,6 +194,57 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
     torch.testing.assert_close(got_cl, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,dim", [(16, 80), (3, 32)])
+def test_vision_rotary_kernel_equals_apply_rotary(device, dtype, heads, dim):
+    """q and k as strided views of one qkv projection (as VisionAttention has them); cos/sin whose two halves
+    differ (the towers' repeat them, the kernel must not rely on it)."""
+    from modalmesh.kernels.rotary import qk_fusable, rotate_qk
+    from services.vision_encoder.models.common import apply_rotary
+
+    torch.manual_seed(3)
+    tokens = 37
+    q, k, _ = torch.randn(tokens, 3, heads, dim, device=device).to(dtype).unbind(1)
+    angles = torch.rand(tokens, dim, device=device) * 50
+    cos, sin = angles.cos(), angles.sin()
+    assert qk_fusable(q, k, cos, sin) and not q.is_contiguous()
+    got_q, got_k = rotate_qk(q, k, cos, sin)
+    assert got_q.is_contiguous() and got_q.dtype == dtype
+    torch.testing.assert_close(got_q, apply_rotary(q, cos, sin), **TOL[dtype])
+    torch.testing.assert_close(got_k, apply_rotary(k, cos, sin), **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_tower_with_fused_kernels_equals_the_unfused_tower(device, family, tmp_path, monkeypatch):
+    from modalmesh.kernels import activation, norm, rotary
+    from modalmesh.testing import tiny
+    from services.vision_encoder.model import build_encoder_model
+
+    calls = {}
+    for module, name in ((norm, "rms_norm"), (activation, "silu_and_mul"), (rotary, "rotate_qk")):
+        def counted(*args, _fn=getattr(module, name), _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(module, name, counted)
+    path = tiny.ensure(family, tmp_path)
+    towers = [build_encoder_model(path, device=device, dtype=torch.float32, options={"fused_kernels": f}).tower
+              for f in (False, True)]
+    towers[1].load_state_dict(towers[0].state_dict())
+    grids = [(1, 4, 6), (2, 4, 4)]
+    rows = sum(t * h * w for t, h, w in grids)
+    torch.manual_seed(4)
+    pixels = torch.randn(rows, towers[0].patch_dim, device=device)
+    with torch.inference_mode():
+        want = towers[0](pixels, grids)
+        assert not calls
+        got = towers[1](pixels, grids)
+    expected = {"rotate_qk"} | ({"rms_norm", "silu_and_mul"} if family == "qwen2_5_vl" else set())
+    assert set(calls) == expected, calls  # the fused path did run
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
 def test_gated_mlp_fuses_only_silu():
     assert not GatedMLP(8, 16, "gelu_pytorch_tanh", fused=True, tp_rank=0, tp_size=1).fused
 

@@ -8,6 +8,11 @@ slot, rotates every q head into a fresh contiguous q and every k head straight
 into the pool. The attention kernels then read k and v from the pool only.
 Full-width rotary on 1-D positions only (Llama, Qwen2, Qwen3); M-RoPE and
 partial rotary keep the PyTorch path.
+
+`rotate_qk` is the vision towers' form (Qwen2-VL, Qwen2.5-VL): cos and sin given
+per token (T, D) in float32 (their 2-D rotary), q and k rotated into fresh
+contiguous tensors, no cache. The PyTorch path (`vision_encoder.models.common.
+apply_rotary`) is seven kernels over a float32 copy per tensor; this is one for both.
 """
 
 from __future__ import annotations
@@ -87,3 +92,56 @@ def rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
             HQ=hq, HK=hk, HQ_PAD=block(hq), HK_PAD=block(hk), HALF=half, HALF_PAD=block(half), DV=dv,
             DV_PAD=block(dv), num_warps=4)
     return q_out
+
+
+@functools.cache
+def _qk_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rotate_qk(Q, K, Cos, Sin, QOut, KOut, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                  H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        t = tl.program_id(0)
+        d = tl.arange(0, HALF_PAD)
+        dmask = d < HALF
+        cos1 = tl.load(Cos + t * stride_ct + d, mask=dmask, other=0.0)[None, :]
+        cos2 = tl.load(Cos + t * stride_ct + HALF + d, mask=dmask, other=0.0)[None, :]
+        sin1 = tl.load(Sin + t * stride_st + d, mask=dmask, other=0.0)[None, :]
+        sin2 = tl.load(Sin + t * stride_st + HALF + d, mask=dmask, other=0.0)[None, :]
+        h = tl.arange(0, H_PAD)[:, None]
+        mask = (h < H) & dmask[None, :]
+        for which in tl.static_range(2):
+            X = Q if which == 0 else K
+            Out = QOut if which == 0 else KOut
+            stride_t = stride_qt if which == 0 else stride_kt
+            stride_h = stride_qh if which == 0 else stride_kh
+            x1 = tl.load(X + t * stride_t + h * stride_h + d[None, :], mask=mask, other=0.0)
+            x2 = tl.load(X + t * stride_t + h * stride_h + HALF + d[None, :], mask=mask, other=0.0)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            out = Out + t * (H * 2 * HALF) + h * (2 * HALF) + d[None, :]
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each product, then the sum, in float32
+            tl.store(out, (a * cos1 + (-b) * sin1).to(x1.dtype), mask=mask)
+            tl.store(out + HALF, (b * cos2 + a * sin2).to(x1.dtype), mask=mask)
+
+    return rotate_qk
+
+
+def qk_fusable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (q.dim() == 3 and q.shape == k.shape and q.shape[-1] % 2 == 0 and q.stride(-1) == 1
+            and k.stride(-1) == 1 and cos.shape == sin.shape == (q.shape[0], q.shape[-1])
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k (T, H, D) rotated by cos / sin (T, D), float32, rotate_half layout: contiguous, q's dtype."""
+    tokens, heads, dim = q.shape
+    q_out, k_out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device), torch.empty(
+        (tokens, heads, dim), dtype=k.dtype, device=k.device)
+    if tokens:
+        half = dim // 2
+        _qk_kernel()[(tokens,)](q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                cos.stride(0), sin.stride(0), H=heads, H_PAD=block(heads), HALF=half,
+                                HALF_PAD=block(half), num_warps=4)
+    return q_out, k_out

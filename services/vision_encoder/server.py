@@ -38,7 +38,7 @@ class VisionEncoderService(EncoderService):
                 "image_decode": args.image_decode,
                 "video_fps": args.video_fps, "max_video_frames": args.max_video_frames,
                 "max_video_seconds": args.max_video_seconds,
-                "cuda_graphs": not args.enforce_eager,
+                "cuda_graphs": not args.enforce_eager, "fused_kernels": not args.no_fused_kernels,
                 "max_batch_items": args.max_batch_items, "max_batch_tokens": args.max_batch_tokens}
 
     def build_model(self) -> VisionEncoderModel:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from modalmesh import kernels
+from modalmesh.kernels import rotary as rotary_kernels
 from modalmesh.layers import ReplicatedLinear
 from modalmesh.layers.rotary import rotate_half
 from modalmesh.weights import WeightsMapper
@@ -63,3 +65,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     xf = x.float()
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` of q and k; with `fused`, one Triton kernel on CUDA (modalmesh.kernels.rotary)."""
+    if fused and kernels.usable(q) and rotary_kernels.qk_fusable(q, k, cos, sin):
+        return rotary_kernels.rotate_qk(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -60,12 +60,12 @@ def batch_windows(grids: Sequence[Grid], merge: int, window: int) -> tuple[np.nd
 
 
 class Qwen2_5VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, intermediate: int, act: str, *, dtype=None):
+    def __init__(self, dim: int, num_heads: int, intermediate: int, act: str, *, dtype=None, fused: bool = False):
         super().__init__()
-        self.norm1 = RMSNorm(dim, NORM_EPS)
-        self.norm2 = RMSNorm(dim, NORM_EPS)
-        self.attn = VisionAttention(dim, num_heads, dtype=dtype)
-        self.mlp = GatedMLP(dim, intermediate, act, bias=True)
+        self.norm1 = RMSNorm(dim, NORM_EPS, fused=fused)
+        self.norm2 = RMSNorm(dim, NORM_EPS, fused=fused)
+        self.attn = VisionAttention(dim, num_heads, dtype=dtype, fused=fused)
+        self.mlp = GatedMLP(dim, intermediate, act, bias=True, fused=fused)
 
     def forward(self, x, cos, sin, meta):
         x = x + self.attn(self.norm1(x), cos, sin, meta)
@@ -78,8 +78,8 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
     architectures = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
     model_types = ("qwen2_5_vl",)
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None):
-        super().__init__(cfg, dtype=dtype)
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, fused_kernels: bool = True):
+        super().__init__(cfg, dtype=dtype, fused_kernels=fused_kernels)
         self.full_attention_layers = frozenset(int(i) for i in cfg.get("fullatt_block_indexes") or ())
         window_size = int(cfg.get("window_size", 112))
         self.window = window_size // self.merge // self.patch_size  # in merged patches
@@ -92,7 +92,7 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
 
     def _block(self, cfg: ModelConfig, dtype) -> nn.Module:
         return Qwen2_5VisionBlock(self.dim, self.num_heads, cfg.intermediate_size, cfg.hidden_act or "silu",
-                                  dtype=dtype)
+                                  dtype=dtype, fused=self.fused_kernels)
 
     def _merger(self) -> nn.Module:
         return PatchMerger(self.out_hidden_size, self.dim, self.merge, norm=RMSNorm)

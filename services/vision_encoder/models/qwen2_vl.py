@@ -28,7 +28,7 @@ from services.vision_encoder.models.common import (
     ATTENTION_NAMES,
     PatchEmbed,
     VisionRotary2D,
-    apply_rotary,
+    rotate_qk,
 )
 
 Grid = tuple[int, int, int]
@@ -60,8 +60,9 @@ def frame_lengths(grids: Sequence[Grid]) -> list[int]:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, *, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, num_heads: int, *, dtype: torch.dtype | None = None, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.head_dim = dim // num_heads
         self.num_heads = divide(num_heads, distributed.tp_size(), "vision attention heads")
         self.qkv_proj = QKVParallelLinear(dim, self.head_dim, num_heads, bias=True)
@@ -71,17 +72,17 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.fused)
         out = self.attn(q, k, v.contiguous(), meta)
         return self.proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class Qwen2VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, *, dtype=None):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, *, dtype=None, fused: bool = False):
         super().__init__()
         self.norm1 = LayerNorm(dim, NORM_EPS)
         self.norm2 = LayerNorm(dim, NORM_EPS)
-        self.attn = VisionAttention(dim, num_heads, dtype=dtype)
+        self.attn = VisionAttention(dim, num_heads, dtype=dtype, fused=fused)
         self.mlp = MLP(dim, mlp_hidden, act, bias=True, names=("fc1", "fc2"))
 
     def forward(self, x, cos, sin, meta):
@@ -118,9 +119,10 @@ class Qwen2VisionTransformer(nn.Module, CheckpointModel):
     ) | ATTENTION_NAMES
     stacked_params = QKV_GATE_UP
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, fused_kernels: bool = True):
         super().__init__()
         self.cfg = cfg
+        self.fused_kernels = fused_kernels  # Triton kernels on CUDA (modalmesh.kernels): rotary, and norms / MLP
         self.dim = cfg.hidden_size  # embed_dim
         self.num_heads = cfg.num_heads
         self.head_dim = self.dim // self.num_heads
@@ -142,7 +144,8 @@ class Qwen2VisionTransformer(nn.Module, CheckpointModel):
 
     def _block(self, cfg: ModelConfig, dtype) -> nn.Module:
         mlp_hidden = int(self.dim * float(cfg.get("mlp_ratio", 4)))
-        return Qwen2VisionBlock(self.dim, self.num_heads, mlp_hidden, cfg.hidden_act or "quick_gelu", dtype=dtype)
+        return Qwen2VisionBlock(self.dim, self.num_heads, mlp_hidden, cfg.hidden_act or "quick_gelu", dtype=dtype,
+                                fused=self.fused_kernels)
 
     def _merger(self) -> nn.Module:
         return PatchMerger(self.out_hidden_size, self.dim, self.merge)
