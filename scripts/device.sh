@@ -21,6 +21,7 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh kernels-19            # issue 19: the new kernels' CUDA tests and their A/B, in ~250 s
 #   bash scripts/device.sh groupnorm-19          # issue 19: the Triton GroupNorm's tests and what it buys the VAE
 #   bash scripts/device.sh profile-19 table-19   # issue 19 (nvidia-h200), call 1: the towers' and VAE's kernels, the
 #       table with HF compiled (default mode) beside ours; then vae-compiled-19 (call 2: diffusers compiled, NCHW and
@@ -326,6 +327,19 @@ for name in "$@"; do
             grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
             grep -h "^|" "$OUT/vae-table.log" ;;
+        kernels-19)  # issue 19: the towers' and the VAE's new Triton kernels against PyTorch's path on CUDA, then
+            # what they buy: the VAE at 1024^2 (ours fused NCHW / NHWC beside ours unfused and diffusers), the Qwen
+            # towers with and without them (ours only). Fits a call with ~290 s of device time left.
+            step kernels-tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                -k "group_norm or vae_decoder or vision"
+            step vae-kernels 55 python3 bench/vae.py --sizes 1024 --dtypes bfloat16,float32 --largest '' \
+                --peer-compile none --warmup 2 --iters 5
+            step vision-fused 45 python3 bench/vision.py --only qwen2vl-8x448,qwen25vl-8x448 --iters 10 --no-hf \
+                --peer-compile none
+            step vision-unfused 45 python3 bench/vision.py --only qwen2vl-8x448,qwen25vl-8x448 --iters 10 --no-hf \
+                --peer-compile none --no-fused-kernels
+            grep -h "^|" "$OUT/vae-kernels.log"
+            grep -h -E "^(# vision|case|qwen)" "$OUT"/vision-fused.log "$OUT"/vision-unfused.log ;;
         groupnorm-19)  # issue 19: the Triton GroupNorm(+SiLU) against PyTorch's path, then the VAE at 1024^2 with
             # it (NCHW, NHWC) beside ours unfused and diffusers eager, and where the kernel time goes now
             step groupnorm-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
