@@ -38,7 +38,7 @@ def _kernels():
     @triton.jit
     def partial_moments(X, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        n, chunk, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        chunk, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
         count = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -61,7 +61,7 @@ def _kernels():
             mean += delta * (n_t / total)
             m2 += t_m2 + delta * delta * (count * n_t / total)
             count = total
-        out = (n * tl.num_programs(1) + chunk) * C + chans
+        out = (n * tl.num_programs(0) + chunk) * C + chans
         tl.store(Mean + out, mean, mask=cmask)
         tl.store(M2 + out, m2, mask=cmask)
 
@@ -98,7 +98,8 @@ def _kernels():
     @triton.jit
     def apply(X, Out, W, B, GroupMean, GroupRstd, S, C, G, cpg, stride_n, stride_c, stride_s, o_n, o_c, o_s,
               SILU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        n, sb, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # pixel tiles on grid axis 0: axes 1 and 2 stop at 65,535 (a 1024² channels-last tensor has 65,536 tiles)
+        sb, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = sb * BLOCK_S + tl.arange(0, BLOCK_S)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
@@ -162,14 +163,14 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     f32 = dict(dtype=torch.float32, device=x.device)
     mean_p, m2_p = torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32)
     warps = 8 if block_s * block_c >= 2048 else 4
-    partial_moments[(n, chunks, c_blocks)](x, mean_p, m2_p, s, c, stride_n, stride_c, stride_s, chunk_s, iters,
+    partial_moments[(chunks, n, c_blocks)](x, mean_p, m2_p, s, c, stride_n, stride_c, stride_s, chunk_s, iters,
                                            BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
     group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
                                  float(eps), BLOCK_K=max(TILE // block_cg, 1), BLOCK_CG=block_cg, num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
-    apply[(n, s_tiles, c_blocks)](x, out, weight, bias, group_mean, group_rstd, s, c, groups, cpg, stride_n,
+    apply[(s_tiles, n, c_blocks)](x, out, weight, bias, group_mean, group_rstd, s, c, groups, cpg, stride_n,
                                   stride_c, stride_s, *_pixel_strides(out), SILU=silu, BLOCK_S=block_s,
                                   BLOCK_C=block_c, num_warps=warps)
     return out
