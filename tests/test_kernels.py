@@ -99,6 +99,8 @@ def test_silu_and_mul_kernel_equals_the_pytorch_path(device, dtype, intermediate
 GROUP_NORM_CASES = [  # (N, C, H, W, groups): channels per group 4 / 3 (not a power of two) / 16 / 1
     (2, 32, 9, 7, 8), (1, 12, 33, 65, 4), (1, 64, 40, 40, 4), (3, 6, 1, 5, 6),
     (1, 8, 64, 64, 2),  # 4,096 pixels: several chunks per group in both layouts, merged by group_moments
+    (2, 8, 1, 1, 4),  # one pixel (a 1x1 latent): Triton compiles an int argument of 1 as a constant
+    (1, 320, 5, 7, 32),  # channels-last in two channel blocks (256 + 64) whose groups of 10 straddle them
 ]
 
 
@@ -121,6 +123,48 @@ def test_group_norm_kernel_merges_tiles_within_a_program(device, layout, case, m
 
     monkeypatch.setattr(gn, "TARGET_PROGRAMS", 1)
     _check_group_norm(device, torch.float32, layout, True, case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_group_norm_kernel_skips_tiles_past_the_end_of_the_last_chunk(device, layout, monkeypatch):
+    """Six programs over 4,096 pixels: chunks of three tiles, so the last chunk walks a tile with no pixels,
+    which must add nothing to the moments."""
+    from modalmesh.kernels import group_norm as gn
+
+    monkeypatch.setattr(gn, "TARGET_PROGRAMS", 6)
+    case = (1, 8, 64, 64, 2)
+    stride_c = 1 if layout == "channels_last" else 64 * 64
+    block_s, _, chunks, iters = gn.plan(1, 8, 64 * 64, stride_c)
+    assert chunks * iters > -(-64 * 64 // block_s)  # the case does reach past the end
+    _check_group_norm(device, torch.float32, layout, True, case)
+
+
+def test_group_norm_kernel_takes_only_what_group_norm_defines():
+    """Checked before any kernel runs (no GPU needed): anything else goes to F.group_norm, which raises its
+    own error for shapes it refuses instead of the kernel reading out of bounds."""
+    from modalmesh.kernels import group_norm as gn
+
+    x = torch.randn(2, 8, 3, 3)
+    w, b = torch.ones(8), torch.zeros(8)
+    assert gn.fusable(x, 4, w, b) and gn.fusable(x.contiguous(memory_format=torch.channels_last), 4, w, b)
+    assert gn.fusable(x.bfloat16(), 4, w, b) and gn.fusable(x[:, :, :1, :1], 8, w, b)
+    refused = {
+        "no affine": gn.fusable(x, 4, None, None),
+        "no bias": gn.fusable(x, 4, w, None),
+        "groups do not divide the channels": gn.fusable(x, 3, w, b),
+        "zero groups": gn.fusable(x, 0, w, b),
+        "an affine of other channels": gn.fusable(x, 4, torch.ones(4), torch.zeros(4)),
+        "integers": gn.fusable(x.to(torch.int32), 4, w, b),
+        "float64": gn.fusable(x.double(), 4, w, b),
+        "no spatial dims": gn.fusable(x[:, :, 0, 0], 4, w, b),
+        "empty": gn.fusable(x[:0], 4, w, b),
+        "pixels that do not flatten": gn.fusable(x[:, :, :, 1:], 4, w, b),
+    }
+    assert not any(refused.values()), [k for k, v in refused.items() if v]
+    layer = GroupNorm(4, 8, fused=True)
+    with pytest.raises(RuntimeError):  # PyTorch's own error for 6 channels into a layer of 8
+        layer(torch.randn(1, 6, 2, 2))
 
 
 def _check_group_norm(device, dtype, layout, silu, case):
@@ -179,7 +223,7 @@ def test_group_norm_kernel_takes_views_and_falls_back_where_pixels_do_not_flatte
         assert len(calls) == 1
         torch.testing.assert_close(fused(columns), ref(columns), **TOL[torch.float32])
         assert len(calls) == 1  # the PyTorch path
-    assert not gn.fusable(columns, ref.weight, ref.bias) and not gn.fusable(channels, None, None)
+    assert not gn.fusable(columns, 4, ref.weight, ref.bias) and gn.fusable(channels, 4, ref.weight, ref.bias)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,6 +273,12 @@ def test_vision_rotary_kernel_equals_apply_rotary(device, dtype, heads, dim):
     assert got_q.is_contiguous() and got_q.dtype == dtype
     torch.testing.assert_close(got_q, apply_rotary(q, cos, sin), **TOL[dtype])
     torch.testing.assert_close(got_k, apply_rotary(k, cos, sin), **TOL[dtype])
+    # q and k with strides of their own: each is addressed by its own
+    k_own = k.contiguous()
+    assert k_own.stride() != q.stride()
+    got_q2, got_k2 = rotate_qk(q, k_own, cos, sin)
+    torch.testing.assert_close(got_q2, got_q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k2, got_k, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -66,13 +66,14 @@ def _kernels():
         tl.store(M2 + out, m2, mask=cmask)
 
     @triton.jit
-    def group_moments(Mean, M2, GroupMean, GroupRstd, S, C, G, cpg, chunk_s, chunks, eps,
+    def group_moments(Mean, M2, GroupMean, GroupRstd, S, C, G, cpg, chunk_s, chunks, total, eps,
                       BLOCK_K: tl.constexpr, BLOCK_CG: tl.constexpr):
+        # `total` (S * cpg, a float) comes from the host: Triton compiles an int argument equal to 1 as a
+        # constant, which has no `.to`, so a 1x1 latent (S == 1) failed to compile when it was cast here
         ng = tl.program_id(0)
         n, g = ng // G, ng % G
         chans = g * cpg + tl.arange(0, BLOCK_CG)
         cmask = tl.arange(0, BLOCK_CG) < cpg
-        total = S.to(tl.float32) * cpg
         acc = tl.zeros([BLOCK_K, BLOCK_CG], dtype=tl.float32)
         for k0 in range(0, chunks, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -131,9 +132,16 @@ def _pixel_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
     return x.stride(0), x.stride(1), x.stride(dims[-1]) if dims else 1
 
 
-def fusable(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
-    """NCHW or channels-last (any layout whose pixels flatten to one stride), with an affine."""
-    return weight is not None and bias is not None and _pixel_strides(x) is not None and x.numel() > 0
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fusable(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """A float (N, C, *spatial) in NCHW or channels-last (any layout whose pixels flatten to one stride), C
+    split evenly into `groups`, with a per-channel affine of C. Anything else takes PyTorch's path, which also
+    raises its errors."""
+    return (weight is not None and bias is not None and x.dtype in FLOAT_DTYPES and x.dim() >= 3
+            and x.numel() > 0 and groups > 0 and x.shape[1] % groups == 0
+            and weight.numel() == bias.numel() == x.shape[1] and _pixel_strides(x) is not None)
 
 
 def _tile(stride_c: int, channels: int) -> tuple[int, int]:
@@ -145,6 +153,17 @@ def _tile(stride_c: int, channels: int) -> tuple[int, int]:
     return TILE // block_c, block_c
 
 
+def plan(n: int, c: int, s: int, stride_c: int) -> tuple[int, int, int, int]:
+    """(BLOCK_S, BLOCK_C, chunks, iters): the stats kernel's tiles, and its pixel chunks of `iters` tiles each,
+    about TARGET_PROGRAMS programs in all. The last chunk may hold tiles past the end of the pixels."""
+    block_s, block_c = _tile(stride_c, c)
+    c_blocks = -(-c // block_c)
+    s_tiles = -(-s // block_s)
+    chunks = min(max(-(-TARGET_PROGRAMS // (n * c_blocks)), 1), s_tiles)
+    iters = -(-s_tiles // chunks)
+    return block_s, block_c, -(-s // (iters * block_s)), iters
+
+
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,
                silu: bool = False) -> torch.Tensor:
     """F.group_norm(x, groups, weight, bias, eps), followed by F.silu with `silu`; `x` is (N, C, *spatial)."""
@@ -153,13 +172,9 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     s = x[0, 0].numel()
     cpg = c // groups
     stride_n, stride_c, stride_s = _pixel_strides(x)
-    block_s, block_c = _tile(stride_c, c)
-    c_blocks = -(-c // block_c)
-    s_tiles = -(-s // block_s)
-    chunks = min(max(-(-TARGET_PROGRAMS // (n * c_blocks)), 1), s_tiles)
-    iters = -(-s_tiles // chunks)
+    block_s, block_c, chunks, iters = plan(n, c, s, stride_c)
     chunk_s = iters * block_s
-    chunks = -(-s // chunk_s)
+    c_blocks = -(-c // block_c)
     f32 = dict(dtype=torch.float32, device=x.device)
     mean_p, m2_p = torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32)
     warps = 8 if block_s * block_c >= 2048 else 4
@@ -168,9 +183,10 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
     group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
-                                 float(eps), BLOCK_K=max(TILE // block_cg, 1), BLOCK_CG=block_cg, num_warps=4)
+                                 float(s * cpg), float(eps), BLOCK_K=max(TILE // block_cg, 1), BLOCK_CG=block_cg,
+                                 num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
-    apply[(s_tiles, n, c_blocks)](x, out, weight, bias, group_mean, group_rstd, s, c, groups, cpg, stride_n,
-                                  stride_c, stride_s, *_pixel_strides(out), SILU=silu, BLOCK_S=block_s,
-                                  BLOCK_C=block_c, num_warps=warps)
+    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, group_mean, group_rstd, s, c, groups, cpg,
+                                           stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu,
+                                           BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     return out

@@ -102,7 +102,7 @@ def _qk_kernel():
     @triton.jit
     def rotate_qk(Q, K, Cos, Sin, QOut, KOut, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
                   H: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 elements in a long packed batch
         d = tl.arange(0, HALF_PAD)
         dmask = d < HALF
         cos1 = tl.load(Cos + t * stride_ct + d, mask=dmask, other=0.0)[None, :]
@@ -120,7 +120,9 @@ def _qk_kernel():
             x2 = tl.load(X + t * stride_t + h * stride_h + HALF + d[None, :], mask=mask, other=0.0)
             a, b = x1.to(tl.float32), x2.to(tl.float32)
             out = Out + t * (H * 2 * HALF) + h * (2 * HALF) + d[None, :]
-            # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each product, then the sum, in float32
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in float32. The compiler may fuse a
+            # product into the sum (FMA), so this equals PyTorch's separate products within float32 rounding,
+            # not bit for bit, before the one rounding to the activation dtype
             tl.store(out, (a * cos1 + (-b) * sin1).to(x1.dtype), mask=mask)
             tl.store(out + HALF, (b * cos2 + a * sin2).to(x1.dtype), mask=mask)
 

@@ -84,7 +84,7 @@ class GroupNorm(nn.GroupNorm):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.weight, self.bias):
+        if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.num_groups, self.weight, self.bias):
             return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu)
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.silu(y) if self.silu else y
