@@ -21,6 +21,7 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh check-19              # issue 19: the GroupNorm fixes, the VAE with it, Whisper's stem
 #   bash scripts/device.sh kernels-19            # issue 19: the new kernels' CUDA tests and their A/B, in ~250 s
 #   bash scripts/device.sh groupnorm-19          # issue 19: the Triton GroupNorm's tests and what it buys the VAE
 #   bash scripts/device.sh profile-19 table-19   # issue 19 (nvidia-h200), call 1: the towers' and VAE's kernels, the
@@ -348,6 +349,20 @@ for name in "$@"; do
             grep -h "^|" "$OUT/vae-groupnorm.log"
             awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
                 "$OUT/vae-groupnorm.log" ;;
+        check-19)  # issue 19, 2026-12-05 call 1: the GroupNorm fixes and the VAE with the kernel (NCHW, NHWC; cuDNN
+            # benchmark mode off and on), Whisper with its row-major stem beside HF, each profiled. ~330 s of limits
+            step kernels-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_audio_models.py \
+                -k "group_norm or vae_decoder or vision or row_major or bf16_on_cuda"
+            step vae-kernels 90 python3 bench/vae.py --sizes 1024 --largest '' --peer-compile none --warmup 2 --iters 5 \
+                --profile
+            step vae-cudnn 70 python3 bench/vae.py --sizes 1024 --largest-sides 4096 --peer-compile none --warmup 2 \
+                --iters 5 --cudnn-benchmark --no-unfused
+            step audio-19 90 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none --profile \
+                --profile-batch 16
+            grep -h "^|" "$OUT"/vae-kernels.log "$OUT"/vae-cudnn.log
+            grep -h -E "^(parity|batch| +[0-9]+ |ours)" "$OUT/audio-19.log"
+            awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
+                "$OUT"/vae-kernels.log "$OUT"/audio-19.log ;;
         vae-compiled-19)  # issue 19: diffusers' decode compiled (default mode, 1024^2, FP32 and bf16), as is and in
             # channels-last (its docs' recipe); about 150 s each, mostly the four compiles
             step vae-compiled 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
