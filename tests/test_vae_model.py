@@ -104,6 +104,40 @@ def test_decode_matches_diffusers(ckpts, name):
     assert_parity(model, reference(ckpts[name]), cfg.latent_channels)
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 5, 7), (2, 3, 4, 4), (1, 16, 1, 9)])
+def test_nearest_upsample_equals_interpolate_in_either_memory_format(shape):
+    from services.vae.models.autoencoder_kl import upsample_nearest_2x
+
+    x = torch.randn(*shape)
+    want = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        got = upsample_nearest_2x(x.contiguous(memory_format=fmt))
+        assert got.is_contiguous(memory_format=fmt)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_channels_last_decode_matches_diffusers_and_stays_channels_last(ckpts):
+    """What the service runs on CUDA (--channels-last): every layer keeps NHWC, the answer is diffusers'."""
+    model, _ = ours(ckpts["tiny_vae"])
+    model.to(memory_format=torch.channels_last)
+    layouts = []
+    hooks = [m.register_forward_hook(lambda m, a, out: layouts.append(
+        (type(m).__name__, out.is_contiguous(memory_format=torch.channels_last))))
+        for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    try:
+        torch.manual_seed(1)
+        z = torch.randn(2, model.config.latent_channels, 12, 10).contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            got = model(z)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert layouts and all(cl for _, cl in layouts), layouts
+    with torch.inference_mode():
+        want = reference(ckpts["tiny_vae"]).decode(z.contiguous()).sample
+    torch.testing.assert_close(got, want, **TOL)
+
+
 def test_configs_cover_4_and_16_channels_with_and_without_post_quant_conv(ckpts):
     seen = {(VAEConfig.from_dir(p).latent_channels, VAEConfig.from_dir(p).use_post_quant_conv) for p in ckpts.values()}
     assert seen >= {(4, True), (4, False), (16, True), (16, False)}

@@ -108,13 +108,26 @@ class MidBlock(nn.Module):
         return self.resnets[1](x)
 
 
+def upsample_nearest_2x(x: torch.Tensor) -> torch.Tensor:
+    """F.interpolate(x, scale_factor=2.0, mode="nearest"), in x's memory format.
+
+    In channels-last it is a broadcast copy of whole pixels: PyTorch's NHWC nearest kernel took 2.7 ms of
+    the decoder at 1024² bf16 on an H100, against 1.0 ms for its NCHW one."""
+    if x.dim() != 4 or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
+        return F.interpolate(x, scale_factor=2.0, mode="nearest")
+    n, c, h, w = x.shape
+    pixels = x.permute(0, 2, 3, 1)  # (N, H, W, C), contiguous
+    out = pixels[:, :, None, :, None, :].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c)
+    return out.permute(0, 3, 1, 2)  # (N, C, 2H, 2W) in channels-last
+
+
 class Upsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        return self.conv(upsample_nearest_2x(x))
 
 
 class UpDecoderBlock(nn.Module):
