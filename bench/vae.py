@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     parser.add_argument("--largest", default="bfloat16", help="dtype for the largest tiled decode ('' skips it)")
     parser.add_argument("--largest-sides", default="2048,4096,8192,12288,16384")
     parser.add_argument("--tile-batch", type=int, default=4)
+    parser.add_argument("--largest-channels-last", action="store_true",
+                        help="the tiled decode on a channels-last model (the service's --channels-last)")
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (runs on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--peer-compile", default="default", metavar="MODES", help=PEER_COMPILE_HELP)
@@ -240,11 +242,12 @@ def main(argv=None) -> int:
         dtype = DTYPES[args.largest]
         tiling = TilingDefaults.for_config(cfg, batch=args.tile_batch)
         model = build_ours(cfg, state, device, dtype, tiling.tile ** 2)
-        engine = VAEEngine(cfg, model, device=device, dtype=dtype, tiling=tiling)
+        engine = VAEEngine(cfg, model, device=device, dtype=dtype, tiling=tiling,
+                           channels_last=args.largest_channels_last)
         print(f"\n# largest tiled decode ({args.largest}, tiles {tiling.tile}/{tiling.overlap} latent, "
-              f"{tiling.batch} per call)")
-        print("| size | tiles | seconds | peak GiB | result |")
-        print("|---|---|---|---|---|")
+              f"{tiling.batch} per call, {'NHWC' if args.largest_channels_last else 'NCHW'})")
+        print("| size | tiles | first s | warm s | peak GiB | result |")  # warm: the same shape again (what a
+        print("|---|---|---|---|---|---|")                                    # service sees after its first)
         largest = None
         for size in [int(s) for s in args.largest_sides.split(",") if s]:
             side = size // cfg.scale_factor
@@ -252,15 +255,18 @@ def main(argv=None) -> int:
             reset_peak(device)
             start = time.perf_counter()
             try:
-                result = engine.decode(z, TilingRequest(mode=ON))
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                seconds = []
+                for _ in range(2):
+                    result = engine.decode(z, TilingRequest(mode=ON))
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds.append(time.perf_counter() - start)
+                    start = time.perf_counter()
             except Exception as exc:  # noqa: BLE001 - OOM (ResourceExhausted) ends the search
-                print(f"| {size}x{size} | - | - | {peak_gib(device):.2f} | {type(exc).__name__}: {exc} |")
+                print(f"| {size}x{size} | - | - | - | {peak_gib(device):.2f} | {type(exc).__name__}: {exc} |")
                 break
-            seconds = time.perf_counter() - start
             ok = bool(torch.isfinite(result.pixels).all())
-            print(f"| {size}x{size} | {result.tiles} | {seconds:.2f} | {peak_gib(device):.2f} | "
+            print(f"| {size}x{size} | {result.tiles} | {seconds[0]:.2f} | {seconds[1]:.2f} | {peak_gib(device):.2f} | "
                   f"{'ok' if ok else 'non-finite'} |", flush=True)
             largest = size
             del result

@@ -363,6 +363,19 @@ for name in "$@"; do
             grep -h -E "^(parity|batch| +[0-9]+ |ours)" "$OUT/audio-19.log"
             awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
                 "$OUT"/vae-kernels.log "$OUT"/audio-19.log ;;
+        vae2-19)  # issue 19, 2026-12-05 call 2: GroupNorm stats per lane, conv biases in GroupNorm and the residual
+            # kernel, the NHWC upsample; the VAE's CUDA tests, the 1024^2 table profiled, tiled 4096^2 (NCHW, NHWC)
+            step vae-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "group_norm or vae_decoder or bias_and_residual or cuda"
+            step vae-1024 90 python3 bench/vae.py --sizes 1024 --largest '' --peer-compile none --warmup 2 --iters 5 \
+                --profile
+            step vae-tiled 80 python3 bench/vae.py --sizes 512 --dtypes bfloat16 --largest-sides 4096 --peer-compile none \
+                --no-unfused --warmup 1 --iters 2
+            step vae-tiled-nhwc 80 python3 bench/vae.py --sizes 512 --dtypes bfloat16 --largest-sides 4096 \
+                --peer-compile none --no-unfused --warmup 1 --iters 2 --largest-channels-last
+            grep -h "^|" "$OUT"/vae-1024.log "$OUT"/vae-tiled.log "$OUT"/vae-tiled-nhwc.log
+            awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae-1024.log
+            grep -h -A8 "^top kernels, ours N.* bfloat16" "$OUT"/vae-1024.log | cut -c1-150 ;;
         vae-compiled-19)  # issue 19: diffusers' decode compiled (default mode, 1024^2, FP32 and bf16), as is and in
             # channels-last (its docs' recipe); about 150 s each, mostly the four compiles
             step vae-compiled 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \

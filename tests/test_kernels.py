@@ -200,6 +200,77 @@ def _check_group_norm(device, dtype, layout, silu, case):
         assert ours <= theirs + (2 if silu else 1) * ulp, (ours, theirs, ulp)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("case", GROUP_NORM_CASES[::2], ids=lambda c: "x".join(map(str, c)))
+def test_group_norm_kernel_adds_a_pre_bias_first(device, dtype, layout, case):
+    """GroupNorm(x + p) with p per channel (a convolution's bias left out of it): the kernel adds p in float32
+    in both passes, PyTorch's path rounds x + p first. Both against float64."""
+    n, c, h, w, groups = case
+    ref, fused = _pair(lambda f: GroupNorm(groups, c, 1e-6, silu=True, fused=f), device, dtype)
+    torch.manual_seed(5)
+    x = (torch.randn(n, c, h, w, device=device) * 3).to(dtype)
+    pre = (torch.randn(c, device=device) * 4 + 10).to(dtype)  # differs per channel: shifts the group's variance
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        got, want = fused(x, pre_bias=pre), ref(x, pre_bias=pre)
+    assert got.stride() == x.stride() and got.dtype == dtype
+    exact = torch.nn.functional.group_norm(x.double() + pre.double()[:, None, None], groups, ref.weight.double(),
+                                           ref.bias.double(), ref.eps)
+    exact = torch.nn.functional.silu(exact)
+    ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, want))
+    if dtype == torch.float32:
+        assert ours <= 1e-5 * exact.abs().max().item(), (ours, theirs)
+    else:
+        assert ours <= theirs + 2 * 2.0 ** -7 * exact.abs().max().item(), (ours, theirs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 6, 9, 7), (1, 320, 5, 3), (1, 4, 1, 1)])
+def test_bias_and_residual_add_kernel_equals_the_pytorch_path(device, dtype, layout, shape):
+    from modalmesh.kernels import residual as rk
+
+    torch.manual_seed(6)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    h, r = (torch.randn(*shape, device=device).to(dtype).contiguous(memory_format=fmt) for _ in range(2))
+    bias = torch.randn(shape[1], device=device).to(dtype)
+    assert rk.fusable(h, bias, r)
+    got, want = rk.add_bias_residual(h, bias, r), rk.reference(h, bias, r)
+    assert got.stride() == h.stride() and got.dtype == dtype
+    if dtype == torch.float32:  # both round h + b, then the sum, in float32
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    else:  # ours rounds once, PyTorch's path twice: ours is within half an ulp of float64 (on CUDA)
+        exact = h.double() + bias.double()[:, None, None] + r.double()
+        ours, theirs = ((t.double() - exact).abs() for t in (got, want))
+        if device == "cuda":
+            assert ours.max() <= theirs.max() and (ours <= 2.0 ** -8 * exact.abs()).all()
+        else:  # Triton's interpreter truncates to bfloat16: within one ulp
+            assert (ours <= 2.0 ** -7 * exact.abs()).all()
+
+
+def test_bias_and_residual_add_takes_only_dense_pairs_of_one_layout():
+    from modalmesh.kernels import residual as rk
+
+    h = torch.randn(2, 4, 3, 5)
+    b = torch.randn(4)
+    cl = h.contiguous(memory_format=torch.channels_last)
+    assert rk.fusable(h, b, h.clone()) and rk.fusable(cl, b, cl.clone())
+    refused = {
+        "layouts differ": rk.fusable(h, b, cl),
+        "shapes differ": rk.fusable(h, b, h[:1]),
+        "dtypes differ": rk.fusable(h, b, h.double()),
+        "a strided view": rk.fusable(h[..., :4], b, h[..., :4].clone()),
+        "not 4-D": rk.fusable(h.flatten(2), b, h.flatten(2)),
+        "a bias of other channels": rk.fusable(h, torch.randn(3), h),
+        "integers": rk.fusable(h.int(), b, h.int()),
+    }
+    assert not any(refused.values()), [k for k, v in refused.items() if v]
+
+
 @pytest.mark.skipif(not (kernels.triton_importable() and torch.cuda.is_available()), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_group_norm_kernel_at_a_vae_stage_of_1024_squared(layout):

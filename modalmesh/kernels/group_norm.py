@@ -36,11 +36,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partial_moments(X, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
-                        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def partial_moments(X, PreBias, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
+                        HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         chunk, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
+        if HAS_PRE_BIAS:
+            pre_bias = tl.load(PreBias + chans, mask=cmask, other=0.0).to(tl.float32)[None, :]
         # Welford per lane (a row of the tile and a channel) over the chunk's tiles, merged across the rows once
         # at the end: a reduction across rows per tile (a barrier each) made channels-last, whose tiles are
         # short in rows, 17x slower than NCHW (25 of 57 ms of the decoder at 1024² on an H100)
@@ -53,6 +55,8 @@ def _kernels():
             valid = (rows < S)[:, None]
             x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + chans.to(tl.int64)[None, :] * stride_c,
                         mask=valid & cmask[None, :], other=0.0).to(tl.float32)
+            if HAS_PRE_BIAS:
+                x += pre_bias
             count += valid.to(tl.float32)
             delta = tl.where(valid, x - mean, 0.0)  # a lane past the end of the pixels adds nothing
             mean += delta / tl.maximum(count, 1.0)
@@ -98,8 +102,8 @@ def _kernels():
         tl.store(GroupRstd + ng, 1.0 / tl.sqrt(var + eps))
 
     @triton.jit
-    def apply(X, Out, W, B, GroupMean, GroupRstd, S, C, G, cpg, stride_n, stride_c, stride_s, o_n, o_c, o_s,
-              SILU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def apply(X, Out, W, B, PreBias, GroupMean, GroupRstd, S, C, G, cpg, stride_n, stride_c, stride_s, o_n, o_c,
+              o_s, SILU: tl.constexpr, HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         # pixel tiles on grid axis 0: axes 1 and 2 stop at 65,535 (a 1024² channels-last tensor has 65,536 tiles)
         sb, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = sb * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -111,6 +115,8 @@ def _kernels():
         rstd = tl.load(GroupRstd + groups, mask=cmask, other=0.0)
         a = rstd * tl.load(W + chans, mask=cmask, other=0.0).to(tl.float32)
         b = tl.load(B + chans, mask=cmask, other=0.0).to(tl.float32) - a * mean
+        if HAS_PRE_BIAS:  # (x + p) * a + b' = x * a + (b' + p * a)
+            b += tl.load(PreBias + chans, mask=cmask, other=0.0).to(tl.float32) * a
         rows64, chans64 = rows.to(tl.int64)[:, None], chans.to(tl.int64)[None, :]
         x = tl.load(X + n.to(tl.int64) * stride_n + rows64 * stride_s + chans64 * stride_c, mask=mask, other=0.0)
         y = (x.to(tl.float32) * a[None, :] + b[None, :]).to(Out.dtype.element_ty)
@@ -136,13 +142,15 @@ def _pixel_strides(x: torch.Tensor) -> tuple[int, int, int] | None:
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def fusable(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+def fusable(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            pre_bias: torch.Tensor | None = None) -> bool:
     """A float (N, C, *spatial) in NCHW or channels-last (any layout whose pixels flatten to one stride), C
-    split evenly into `groups`, with a per-channel affine of C. Anything else takes PyTorch's path, which also
-    raises its errors."""
+    split evenly into `groups`, with a per-channel affine of C (and a per-channel `pre_bias` of C). Anything
+    else takes PyTorch's path, which also raises its errors."""
     return (weight is not None and bias is not None and x.dtype in FLOAT_DTYPES and x.dim() >= 3
             and x.numel() > 0 and groups > 0 and x.shape[1] % groups == 0
-            and weight.numel() == bias.numel() == x.shape[1] and _pixel_strides(x) is not None)
+            and weight.numel() == bias.numel() == x.shape[1] and _pixel_strides(x) is not None
+            and (pre_bias is None or pre_bias.numel() == x.shape[1]))
 
 
 def _tile(stride_c: int, channels: int) -> tuple[int, int]:
@@ -166,8 +174,11 @@ def plan(n: int, c: int, s: int, stride_c: int) -> tuple[int, int, int, int]:
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,
-               silu: bool = False) -> torch.Tensor:
-    """F.group_norm(x, groups, weight, bias, eps), followed by F.silu with `silu`; `x` is (N, C, *spatial)."""
+               silu: bool = False, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.group_norm(x, groups, weight, bias, eps), followed by F.silu with `silu`; `x` is (N, C, *spatial).
+
+    `pre_bias` (C,) is added to x per channel first, in float32 (a convolution's bias, left out of it: the
+    add costs a pass over x of its own)."""
     partial_moments, group_moments, apply = _kernels()
     n, c = x.shape[0], x.shape[1]
     s = x[0, 0].numel()
@@ -179,15 +190,19 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     f32 = dict(dtype=torch.float32, device=x.device)
     mean_p, m2_p = torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32)
     warps = 8 if block_s * block_c >= 2048 else 4
-    partial_moments[(chunks, n, c_blocks)](x, mean_p, m2_p, s, c, stride_n, stride_c, stride_s, chunk_s, iters,
-                                           BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+    has_pre_bias = pre_bias is not None
+    pre_bias = pre_bias if has_pre_bias else bias  # a pointer the kernels never read
+    partial_moments[(chunks, n, c_blocks)](x, pre_bias, mean_p, m2_p, s, c, stride_n, stride_c, stride_s, chunk_s,
+                                           iters, HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s, BLOCK_C=block_c,
+                                           num_warps=warps)
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
     group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
                                  float(s * cpg), float(eps), BLOCK_K=max(TILE // block_cg, 1), BLOCK_CG=block_cg,
                                  num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
-    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, group_mean, group_rstd, s, c, groups, cpg,
-                                           stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu,
-                                           BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, pre_bias, group_mean, group_rstd, s, c, groups,
+                                           cpg, stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu,
+                                           HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s, BLOCK_C=block_c,
+                                           num_warps=warps)
     return out

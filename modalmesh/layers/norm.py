@@ -9,7 +9,8 @@ pre-norm in a decoder layer and returns the new residual as well. Built with
 GroupNorm is nn.GroupNorm (same parameters, so checkpoints load by the same names)
 with the SiLU that follows it in a VAE's resnet blocks folded in (``silu=True``);
 ``fused=True`` runs both as `modalmesh.kernels.group_norm` on CUDA, in NCHW or
-channels-last.
+channels-last; ``forward(x, pre_bias)`` also adds a per-channel bias first (the bias of
+the convolution before it, which that convolution then leaves out).
 """
 
 from __future__ import annotations
@@ -83,9 +84,15 @@ class GroupNorm(nn.GroupNorm):
         self.silu = silu
         self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.num_groups, self.weight, self.bias):
-            return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu)
+    def forward(self, x: torch.Tensor, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """GroupNorm(+SiLU) of x, or of x + `pre_bias` per channel (a convolution's bias that its conv left
+        out, so the add rides this pass instead of a pass of its own)."""
+        if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.num_groups, self.weight,
+                                                                           self.bias, pre_bias):
+            return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu,
+                                                 pre_bias=pre_bias)
+        if pre_bias is not None:
+            x = x + pre_bias.view(-1, *[1] * (x.dim() - 2))
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.silu(y) if self.silu else y
 

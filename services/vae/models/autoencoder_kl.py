@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from modalmesh import kernels
 from modalmesh.attention import Attention
+from modalmesh.kernels import residual as residual_kernels
 from modalmesh.layers import GroupNorm
 from modalmesh.models import CheckpointModel
 from modalmesh.weights import WeightMismatchError, WeightsMapper, default_weight_loader
@@ -54,20 +56,32 @@ def conv1x1_as_linear(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) 
 
 
 class ResnetBlock(nn.Module):
+    """norm1+SiLU, conv1, norm2+SiLU, conv2, plus the (1x1-projected) input.
+
+    With fused kernels the convolutions run without their biases, which ride the passes after them: conv1's
+    in norm2, conv2's in the residual add (PyTorch adds a convolution's bias in a pass of its own)."""
+
     def __init__(self, cin: int, cout: int, groups: int, eps: float, fused: bool):
         super().__init__()
+        self.fused = fused
         self.norm1 = GroupNorm(groups, cin, eps, silu=True, fused=fused)
         self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
         self.norm2 = GroupNorm(groups, cout, eps, silu=True, fused=fused)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
+    def shortcut(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.conv_shortcut is None else self.conv_shortcut(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(self.norm1(x))
-        h = self.conv2(self.norm2(h))
-        if self.conv_shortcut is not None:
-            x = self.conv_shortcut(x)
-        return x + h
+        if not (self.fused and kernels.usable(x)):
+            return self.shortcut(x) + self.conv2(self.norm2(self.conv1(self.norm1(x))))
+        h = F.conv2d(self.norm1(x), self.conv1.weight, None, padding=1)
+        h = F.conv2d(self.norm2(h, pre_bias=self.conv1.bias), self.conv2.weight, None, padding=1)
+        residual = self.shortcut(x)
+        if residual_kernels.fusable(h, self.conv2.bias, residual):
+            return residual_kernels.add_bias_residual(h, self.conv2.bias, residual)
+        return residual_kernels.reference(h, self.conv2.bias, residual)
 
 
 class SpatialSelfAttention(nn.Module):
