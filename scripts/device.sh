@@ -376,6 +376,18 @@ for name in "$@"; do
             grep -h "^|" "$OUT"/vae-1024.log "$OUT"/vae-tiled.log "$OUT"/vae-tiled-nhwc.log
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae-1024.log
             grep -h -A8 "^top kernels, ours N.* bfloat16" "$OUT"/vae-1024.log | cut -c1-150 ;;
+        final-19)  # issue 19's table in one call: the towers with HF eager and compiled (default mode, a cold inductor
+            # cache each), Whisper likewise, the VAE beside diffusers eager and compiled channels-last (its docs'
+            # recipe), and the tiled 4096^2 in NHWC. Limits sum to 545 s
+            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
+            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
+                --json "$OUT/audio-table.json"
+            step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
+            grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
+            grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
         vae-compiled-19)  # issue 19: diffusers' decode compiled (default mode, 1024^2, FP32 and bf16), as is and in
             # channels-last (its docs' recipe); about 150 s each, mostly the four compiles
             step vae-compiled 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \

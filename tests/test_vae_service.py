@@ -313,3 +313,20 @@ def test_without_a_model_decode_is_a_failed_precondition():
     with pytest.raises(FailedPrecondition, match="start it with --model DIR"):
         asyncio.run(call())
     assert service.info().extra["model"] == "none"
+
+
+def test_channels_last_is_on_by_default_only_on_cuda_with_the_fused_kernels():
+    """NHWC needs the fused GroupNorm to pay (PyTorch's copies NHWC to NCHW and back); a flag overrides."""
+    from services.vae import flags
+    from services.vae.config import VAEServiceConfig
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def settings(*argv):
+        return VAEServiceConfig.from_args(flags.parser().parse_args(["--model", "x", *argv]))
+
+    assert settings().use_channels_last(cuda) and not settings().use_channels_last(cpu)
+    assert not settings("--no-fused-kernels").use_channels_last(cuda)
+    assert not settings("--no-channels-last").use_channels_last(cuda)
+    assert settings("--channels-last").use_channels_last(cpu)
+    assert settings("--channels-last", "--no-fused-kernels").use_channels_last(cuda)

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a decoder call stops past this (DEADLINE_EXCEEDED), keeping the queue moving; 0: none")
     g.add_argument("--max-untiled-mb", type=int, default=0,
                    help="AUTO tiling when an untiled decode would need more (0: free device memory on CUDA)")
-    g.add_argument("--channels-last", action="store_true", help="NHWC activations (CUDA convolutions)")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC activations (default: on CUDA with the fused kernels, whose GroupNorm keeps NHWC; "
+                        "cuDNN converts NCHW to NHWC around each convolution)")
     g.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time conv algorithms per shape")
     g.add_argument("--no-fused-kernels", action="store_true",
                    help="PyTorch's GroupNorm and SiLU on CUDA too (no Triton kernels)")

@@ -82,7 +82,7 @@ class VAEDecoderService(Service):
         await asyncio.to_thread(load_decoder, self.model, self.vae_dir, device=self.device, dtype=self.dtype,
                                 dummy=settings.dummy_weights, metrics=self.metrics)
         self.engine = VAEEngine(self.cfg, self.model, device=self.device, dtype=self.dtype, tiling=self.tiling,
-                                max_batch=settings.max_batch, channels_last=settings.channels_last,
+                                max_batch=settings.max_batch, channels_last=settings.use_channels_last(self.device),
                                 untiled_budget_bytes=settings.untiled_budget_bytes, metrics=self.metrics)
         await asyncio.to_thread(self.engine.warm_up)
         self.batcher = DecodeBatcher(self._decode_jobs, max_queue=settings.max_queue, max_batch=settings.max_batch,
