@@ -87,6 +87,8 @@ def shapes(quick: bool) -> list[Shape]:
         Shape("dense hd64 s1500 whisper", "audio_encoder", "dense", 20, 64, batch=16, seq=1500),
         Shape("dense fp32 hd512 s4096 vae", "vae", "dense", 1, 512, batch=1, seq=4096, dtype=torch.float32),
         Shape("dense fp32 hd512 s16384 vae", "vae", "dense", 1, 512, batch=1, seq=16384, dtype=torch.float32),
+        Shape("dense bf16 hd512 s4096 vae", "vae", "dense", 1, 512, batch=4, seq=4096),
+        Shape("dense bf16 hd512 s16384 vae", "vae", "dense", 1, 512, batch=1, seq=16384),
         Shape("packed hd128 mixed lengths", "llm", "varlen", 16, 128, seqlens=mixed),
         Shape("packed hd80 8x1024 vision", "vision_encoder", "varlen", 16, 80, seqlens=vision),
         Shape("paged prefill hd128 gqa prefix", "llm", "paged", 32, 128, kv_heads=8, causal=True,

@@ -27,6 +27,8 @@
 #   bash scripts/device.sh profile-19 table-19   # issue 19 (nvidia-h200), call 1: the towers' and VAE's kernels, the
 #       table with HF compiled (default mode) beside ours; then vae-compiled-19 (call 2: diffusers compiled, NCHW and
 #       channels-last), and vae-autotune-19, siglip-autotune-19 (max-autotune, a call each) if the table needs them
+#   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
+#   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -376,6 +378,26 @@ for name in "$@"; do
             grep -h "^|" "$OUT"/vae-1024.log "$OUT"/vae-tiled.log "$OUT"/vae-tiled-nhwc.log
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae-1024.log
             grep -h -A8 "^top kernels, ours N.* bfloat16" "$OUT"/vae-1024.log | cut -c1-150 ;;
+        vae3-19)  # issue 19, 2026-12-06 call 1: conv_in's and the upsamplers' biases folded into the next block, the
+            # upsample written by the residual add, hd512 attention as two GEMMs (matmul_chunked); their CUDA tests, the
+            # attention bench at hd512, the 1024^2 profile, and bf16 with the old attention (sdpa_efficient) beside it
+            step vae3-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                tests/test_attention_backends.py tests/test_attention_selection.py \
+                -k "group_norm or vae_decoder or bias_and_residual or softmax or cuda or matmul_chunked or hopper"
+            step attention-hd512 90 python3 bench/attention.py --only hd512
+            step vae3-1024 90 python3 bench/vae.py --sizes 1024 --largest '' --peer-compile none --warmup 2 --iters 5 \
+                --profile
+            step vae3-efficient 60 python3 bench/vae.py --sizes 1024 --dtypes bfloat16 --largest '' --peer-compile none \
+                --warmup 2 --iters 5 --no-unfused --attention-backend vae=sdpa_efficient
+            grep -h -A3 "^== summary" "$OUT/attention-hd512.log"
+            grep -h "^|" "$OUT"/vae3-1024.log "$OUT"/vae3-efficient.log
+            awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae3-1024.log
+            grep -h -A12 "^top kernels, ours N.* bfloat16" "$OUT"/vae3-1024.log | cut -c1-150 ;;
+        vae-table-19)  # issue 19's VAE rows again, as final-19 measured them: diffusers eager and compiled channels-last
+            # (default mode, a cold inductor cache), and the tiled 4096^2 in NHWC
+            step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
+            grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
         final-19)  # issue 19's table in one call: the towers with HF eager and compiled (default mode, a cold inductor
             # cache each), Whisper likewise, the VAE beside diffusers eager and compiled channels-last (its docs'
             # recipe), and the tiled 4096^2 in NHWC. Limits sum to 545 s

@@ -57,6 +57,7 @@ CASES = [
     Case("dense-v-head-dim", "dense", head_dim=12, v_head_dim=7, causal=True),
     Case("dense-sq-lt-sk-causal", "dense", head_dim=8, causal=True, s_q=3, s_k=8),
     Case("dense-hd128", "dense", heads=2, kv_heads=2, head_dim=128, causal=True, s_q=17, batch=1),
+    Case("dense-hd512-gqa-sq-ne-sk", "dense", heads=4, kv_heads=2, head_dim=512, s_q=9, s_k=23),  # the VAE's dim
     Case("varlen-unequal-causal", "varlen", seqlens=(5, 1, 3), causal=True),
     Case("varlen-single-token", "varlen", seqlens=(1,), head_dim=8),
     Case("varlen-padded-gqa", "varlen", heads=6, kv_heads=3, head_dim=24, seqlens=(4, 4, 4), strategy="padded"),
@@ -196,6 +197,35 @@ def test_reference_single_key_returns_value_and_masked_row_is_zero():
     q2, k2, v2 = torch.randn(3, 1, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4)
     out = reference_attention(q2, k2, v2, causal=True, scale=1.0, window=None)
     assert torch.equal(out[:2], torch.zeros(2, 1, 4)) and torch.allclose(out[2], v2[0])
+
+
+# matmul_chunked runs on CUDA only (half-precision products with float32 output); its blocking and math are
+# the same on CPU, where the products run in float32 and the softmax is PyTorch's (or, under TRITON_INTERPRET,
+# the kernel's): bf16 inputs against the float32 oracle of the same bf16 values.
+@pytest.mark.parametrize("workspace,steps", [(None, (8, 40)), (420 * 120, (3, 40)), (420 * 16, (1, 16))],
+                         ids=["whole", "heads-per-step", "query-blocks"])
+def test_matmul_chunked_agrees_with_naive_in_every_blocking(monkeypatch, workspace, steps):
+    from modalmesh.attention.backends import chunked_matmul
+
+    if workspace is not None:
+        monkeypatch.setattr(chunked_matmul, "WORKSPACE_BYTES", workspace)
+    # 2 x 4 heads of 40 queries over 70 keys, 2 bytes a probability and 4 a score: 420 bytes per query
+    assert chunked_matmul.blocks(8, 40, 70, 2) == steps
+    case = Case("chunked", "dense", heads=4, kv_heads=2, head_dim=64, batch=2, s_q=40, s_k=70)
+    call, _ = make_inputs(case, "cpu", torch.bfloat16)
+    q, k, v = call[1]
+    expected = reference_attention(q.float(), k.float(), v.float(), causal=False, scale=0.125, window=None)
+    out = registry.probe("matmul_chunked").backend.dense(q, k, v, causal=False, scale=0.125, window=None)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected, **BF16)
+
+
+def test_matmul_chunked_refuses_masks():
+    backend = registry.probe("matmul_chunked").backend
+    q = torch.randn(1, 4, 1, 8, dtype=torch.bfloat16)
+    for kw in (dict(causal=True, window=None), dict(causal=False, window=(2, 2))):
+        with pytest.raises(ValueError, match="takes no mask"):
+            backend.dense(q, q, q, scale=1.0, **kw)
 
 
 # ---- CUDA, bf16 (run on the H200 through the device tool) ------------------------------------------

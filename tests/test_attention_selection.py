@@ -115,6 +115,10 @@ def test_hopper_ranking_depends_on_length_and_dtype(with_fa3):
     assert select(HOPPER, Needs(torch.float32, 512), component="vae").backend == "sdpa_efficient"
     assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=16384), component="vae").backend == "sdpa_math"
     assert select(HOPPER, Needs(torch.float32, 512, seqlen_hint=65536), component="vae").backend == "sdpa_efficient"
+    # bf16 past the flash kernels' head dims: two GEMMs per query block (FP32 above never goes there)
+    bf16 = select(HOPPER, Needs(torch.bfloat16, 512, seqlen_hint=16384), component="vae")
+    assert bf16.backend == "matmul_chunked" and "hd512" in bf16.reason
+    assert select(HOPPER, Needs(torch.bfloat16, 128)).backend != "matmul_chunked"
 
 
 def test_hopper_without_fa3_records_why(with_fa2):

@@ -271,6 +271,48 @@ def test_bias_and_residual_add_takes_only_dense_pairs_of_one_layout():
     assert not any(refused.values()), [k for k, v in refused.items() if v]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 6, 9, 7), (1, 320, 5, 3), (1, 4, 1, 1), (1, 3, 2, 1500)])
+def test_bias_and_residual_add_written_upsampled_equals_the_sum_then_interpolate(device, dtype, layout, shape):
+    """The up block's last residual add writes its sum nearest-2x upsampled: bit for bit the kernel's own sum at
+    its size, then F.interpolate, in the input's memory format (1500 columns: a row over several blocks)."""
+    from modalmesh.kernels import residual as rk
+
+    torch.manual_seed(7)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    h, r = (torch.randn(*shape, device=device).to(dtype).contiguous(memory_format=fmt) for _ in range(2))
+    bias = torch.randn(shape[1], device=device)  # float32, as the folded biases are
+    got = rk.add_bias_residual(h, bias, r, upsample=True)
+    want = torch.nn.functional.interpolate(rk.add_bias_residual(h, bias, r), scale_factor=2.0, mode="nearest")
+    assert got.shape == want.shape and got.dtype == dtype
+    if shape[2:] != (1, 1):  # a 1x1 image is both NCHW and channels-last: either output format is right
+        assert got.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 4096), (2, 9000), (4, 1)])
+def test_scaled_softmax_kernel_equals_softmax_then_one_rounding(device, dtype, shape):
+    """Float32 scores in, probabilities in `dtype` out (attention's two-GEMM path): rows of one block, of several
+    (9,000 scores: blocks of 4,096 and a partial one), of one score; large scores, so the max matters."""
+    from modalmesh.kernels import softmax as sk
+
+    torch.manual_seed(8)
+    scores = torch.randn(*shape, device=device) * 40
+    got = sk.scaled_softmax(scores, 0.3, dtype)
+    want = sk.reference(scores, 0.3, dtype)
+    assert got.dtype == dtype and got.shape == scores.shape
+    # float32: the kernel's exp and sum order; half precision: one rounding of a value in [0, 1] (the interpreter
+    # truncates), so within one ulp at 1
+    atol = 2e-6 if dtype == torch.float32 else 2.0 ** -(8 if dtype == torch.bfloat16 else 11)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=0)
+    torch.testing.assert_close(got.float().sum(-1), torch.ones(shape[:-1], device=device), atol=shape[-1] * atol,
+                               rtol=0)
+
+
 @pytest.mark.skipif(not (kernels.triton_importable() and torch.cuda.is_available()), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_group_norm_kernel_at_a_vae_stage_of_1024_squared(layout):

@@ -101,6 +101,14 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         graph_safe=True,
     ),
     BackendSpec(
+        "matmul_chunked", f"{_HERE}.chunked_matmul:ChunkedMatmul",
+        # fp16 / bf16 products with float32 output: cuBLAS on Ampere and later
+        targets=(Target("cuda", HALF_DTYPES, frozenset({GQA}), min_capability=(8, 0), head_dim_multiple=8),),
+        doc="dense attention as cuBLAS GEMMs per block of queries, float32 scores, one-pass softmax "
+            "(head dims past the flash kernels: the VAE's 512)",
+        cast_dtype=torch.bfloat16,
+    ),
+    BackendSpec(
         "torch_naive", f"{_HERE}.naive:NaiveBackend",
         targets=_everywhere(FLOAT_DTYPES, ALL_FEATURES),
         doc="reference: plain matmul/softmax with FP32 accumulation (the test oracle)",

@@ -30,6 +30,7 @@ _H200_HD64 = "H200 bf16 hd64 s1024: sdpa_cudnn 425 TFLOP/s > fa3 365 > sdpa_flas
 _H200_HD64_LONG = "H200 bf16 hd64 s1500 (Whisper): fa3 475 TFLOP/s > sdpa_cudnn 384 > sdpa_flash 276"
 _H200_FP32 = ("H200 fp32 hd512 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0 at s4096, "
               "41.8 > 39.6 at s16384")
+_H100_HD512 = "H100 bf16 hd512 s16384 (VAE mid-block): matmul_chunked ? TFLOP/s > sdpa_efficient 122"
 _H200_VARLEN = "H200 bf16 packed hd128: fa3 633 TFLOP/s > torch_varlen 317"
 _PAGED = "native paged-KV kernels first (triton_paged: no page gather, CUDA-graph safe), SDPA gathers pages"
 _FP32 = ("sdpa_efficient", "sdpa_math")  # what FP32 falls to on GPUs
@@ -45,6 +46,7 @@ class RankRule:
     max_capability: tuple[int, int] | None = None
     arch_prefixes: tuple[str, ...] = ()
     max_head_dim: int | None = None  # applies to head dims <= this
+    min_head_dim: int | None = None  # applies to head dims >= this
     dtypes: tuple[torch.dtype, ...] = ()  # empty: any
     # Sequence-length bounds need the component's seqlen hint; without one such a rule does not match.
     min_seqlen: int | None = None
@@ -67,6 +69,7 @@ class RankRule:
             and (self.max_capability is None or (cap is not None and cap <= self.max_capability))
             and (not self.arch_prefixes or platform.arch_name.startswith(self.arch_prefixes))
             and (self.max_head_dim is None or head_dim <= self.max_head_dim)
+            and (self.min_head_dim is None or head_dim >= self.min_head_dim)
         )
 
 
@@ -79,6 +82,9 @@ RANKING: tuple[RankRule, ...] = (
     # (its score matrix is 1 GiB per image there); beyond that, the memory-lean kernel.
     RankRule(**HOPPER, layout="dense", dtypes=(torch.float32,), max_seqlen=16384, why=_H200_FP32,
              order=("sdpa_math", "sdpa_efficient")),
+    # Hopper, half precision past the flash kernels' head dims (the VAE's 512): two GEMMs beat efficient SDPA.
+    RankRule(**HOPPER, layout="dense", min_head_dim=257, why=_H100_HD512,
+             order=("matmul_chunked", *_FP32)),
     # Hopper: FA3 wins at head dim 128 and at hd64 beyond ~1k tokens, cuDNN at hd64 s1024 (measured).
     RankRule(**HOPPER, layout="dense", max_head_dim=64, min_seqlen=1280, why=_H200_HD64_LONG,
              order=("fa3", "sdpa_cudnn", "sdpa_flash", "fa2", "torch_varlen", *_FP32)),

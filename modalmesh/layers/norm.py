@@ -92,7 +92,7 @@ class GroupNorm(nn.GroupNorm):
             return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu,
                                                  pre_bias=pre_bias)
         if pre_bias is not None:
-            x = x + pre_bias.view(-1, *[1] * (x.dim() - 2))
+            x = x + pre_bias.to(x.dtype).view(-1, *[1] * (x.dim() - 2))
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.silu(y) if self.silu else y
 
