@@ -59,7 +59,8 @@ def _kernels():
                 x += pre_bias
             count += valid.to(tl.float32)
             delta = tl.where(valid, x - mean, 0.0)  # a lane past the end of the pixels adds nothing
-            mean += delta / tl.maximum(count, 1.0)
+            # one reciprocal per row of the tile, not a division per element (a row's lanes share their count)
+            mean += delta * (1.0 / tl.maximum(count, 1.0))
             m2 += delta * (x - mean)
         # Chan's merge of the lanes (every lane of a chunk's first tile holds a pixel, so `total` > 0)
         total = tl.sum(count, axis=0)
