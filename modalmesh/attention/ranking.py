@@ -12,6 +12,7 @@ Measurements, one H200 (bf16, TFLOP/s, torch SDPA pinned per kernel):
   hd128 s4096 causal:     fa3 667, sdpa_cudnn 559
   hd64  s1024:            sdpa_cudnn 425, fa3 365, sdpa_flash 278
   packed varlen hd128:    fa3 633, torch_varlen 317
+One H100 (bf16, 2026-12-06): hd512 s16384 matmul_chunked 324, sdpa_efficient 121; s4096 341, 122.
 CPU (this dev box, FP32, 2 threads, GFLOP/s): sdpa_flash 67-83, sdpa_math 21-26.
 `python bench/attention.py` re-measures and says whether each pick is within 5%
 of the fastest correct backend; update these rules from its output.
@@ -30,7 +31,8 @@ _H200_HD64 = "H200 bf16 hd64 s1024: sdpa_cudnn 425 TFLOP/s > fa3 365 > sdpa_flas
 _H200_HD64_LONG = "H200 bf16 hd64 s1500 (Whisper): fa3 475 TFLOP/s > sdpa_cudnn 384 > sdpa_flash 276"
 _H200_FP32 = ("H200 fp32 hd512 (VAE mid-block): sdpa_math 37.9 TFLOP/s > sdpa_efficient 31.0 at s4096, "
               "41.8 > 39.6 at s16384")
-_H100_HD512 = "H100 bf16 hd512 s16384 (VAE mid-block): matmul_chunked ? TFLOP/s > sdpa_efficient 122"
+_H100_HD512 = ("H100 bf16 hd512 (VAE mid-block): matmul_chunked 324 TFLOP/s > sdpa_efficient 121 at s16384, "
+               "341 > 122 at s4096")
 _H200_VARLEN = "H200 bf16 packed hd128: fa3 633 TFLOP/s > torch_varlen 317"
 _PAGED = "native paged-KV kernels first (triton_paged: no page gather, CUDA-graph safe), SDPA gathers pages"
 _FP32 = ("sdpa_efficient", "sdpa_math")  # what FP32 falls to on GPUs
