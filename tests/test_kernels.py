@@ -121,7 +121,7 @@ def test_group_norm_kernel_merges_tiles_within_a_program(device, layout, case, m
     many tiles per chunk); the cases above have a tile per chunk at these sizes."""
     from modalmesh.kernels import group_norm as gn
 
-    monkeypatch.setattr(gn, "TARGET_PROGRAMS", 1)
+    monkeypatch.setattr(gn, "DEFAULT", gn.LaunchConfig(programs=1))
     _check_group_norm(device, torch.float32, layout, True, case)
 
 
@@ -132,10 +132,10 @@ def test_group_norm_kernel_skips_tiles_past_the_end_of_the_last_chunk(device, la
     which must add nothing to the moments."""
     from modalmesh.kernels import group_norm as gn
 
-    monkeypatch.setattr(gn, "TARGET_PROGRAMS", 6)
+    monkeypatch.setattr(gn, "DEFAULT", gn.LaunchConfig(programs=6))
     case = (1, 8, 64, 64, 2)
     stride_c = 1 if layout == "channels_last" else 64 * 64
-    block_s, _, chunks, iters = gn.plan(1, 8, 64 * 64, stride_c)
+    block_s, _, chunks, iters = gn.plan(1, 8, 64 * 64, stride_c, gn.DEFAULT)
     assert chunks * iters > -(-64 * 64 // block_s)  # the case does reach past the end
     _check_group_norm(device, torch.float32, layout, True, case)
 

@@ -20,14 +20,26 @@ output keeps the input's memory format.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from modalmesh.kernels import block
 
-TILE = 2048  # elements per tile (BLOCK_S x BLOCK_C)
-TARGET_PROGRAMS = 1024  # stats programs per call: several per SM on any current GPU
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of the two pixel passes and the stats pass's parallelism (`bench/group_norm.py` sweeps them)."""
+
+    stats_tile: int = 2048  # elements per tile of partial_moments (BLOCK_S x BLOCK_C)
+    apply_tile: int = 2048  # elements per tile of apply
+    programs: int = 1024  # stats programs per call: several per SM on any current GPU
+    stats_block_c: int = 256  # at most this many channels per tile in channels-last (NCHW tiles take 4)
+    apply_block_c: int = 256
+
+
+DEFAULT = LaunchConfig()
 
 
 @functools.cache
@@ -154,38 +166,40 @@ def fusable(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: tor
             and (pre_bias is None or pre_bias.numel() == x.shape[1]))
 
 
-def _tile(stride_c: int, channels: int) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_C): long along whichever axis is contiguous, so loads coalesce."""
+def _tile(stride_c: int, channels: int, tile: int, max_block_c: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_C) of `tile` elements: long along whichever axis is contiguous, so loads coalesce."""
     if stride_c == 1:  # channels-last: a pixel's channels are adjacent
-        block_c = min(block(channels), 256)
-        return max(TILE // block_c, 1), block_c
+        block_c = min(block(channels), max_block_c)
+        return max(tile // block_c, 1), block_c
     block_c = min(block(channels), 4)
-    return TILE // block_c, block_c
+    return tile // block_c, block_c
 
 
-def plan(n: int, c: int, s: int, stride_c: int) -> tuple[int, int, int, int]:
+def plan(n: int, c: int, s: int, stride_c: int, config: LaunchConfig = DEFAULT) -> tuple[int, int, int, int]:
     """(BLOCK_S, BLOCK_C, chunks, iters): the stats kernel's tiles, and its pixel chunks of `iters` tiles each,
-    about TARGET_PROGRAMS programs in all. The last chunk may hold tiles past the end of the pixels."""
-    block_s, block_c = _tile(stride_c, c)
+    about `config.programs` programs in all. The last chunk may hold tiles past the end of the pixels."""
+    block_s, block_c = _tile(stride_c, c, config.stats_tile, config.stats_block_c)
     c_blocks = -(-c // block_c)
     s_tiles = -(-s // block_s)
-    chunks = min(max(-(-TARGET_PROGRAMS // (n * c_blocks)), 1), s_tiles)
+    chunks = min(max(-(-config.programs // (n * c_blocks)), 1), s_tiles)
     iters = -(-s_tiles // chunks)
     return block_s, block_c, -(-s // (iters * block_s)), iters
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,
-               silu: bool = False, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+               silu: bool = False, pre_bias: torch.Tensor | None = None, config: LaunchConfig | None = None
+               ) -> torch.Tensor:
     """F.group_norm(x, groups, weight, bias, eps), followed by F.silu with `silu`; `x` is (N, C, *spatial).
 
     `pre_bias` (C,) is added to x per channel first, in float32 (a convolution's bias, left out of it: the
     add costs a pass over x of its own)."""
     partial_moments, group_moments, apply = _kernels()
+    config = config or DEFAULT
     n, c = x.shape[0], x.shape[1]
     s = x[0, 0].numel()
     cpg = c // groups
     stride_n, stride_c, stride_s = _pixel_strides(x)
-    block_s, block_c, chunks, iters = plan(n, c, s, stride_c)
+    block_s, block_c, chunks, iters = plan(n, c, s, stride_c, config)
     chunk_s = iters * block_s
     c_blocks = -(-c // block_c)
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -199,9 +213,12 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
     group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
-                                 float(s * cpg), float(eps), BLOCK_K=max(TILE // block_cg, 1), BLOCK_CG=block_cg,
+                                 float(s * cpg), float(eps), BLOCK_K=max(2048 // block_cg, 1), BLOCK_CG=block_cg,
                                  num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
+    block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
+    c_blocks = -(-c // block_c)
+    warps = 8 if block_s * block_c >= 2048 else 4
     apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, pre_bias, group_mean, group_rstd, s, c, groups,
                                            cpg, stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu,
                                            HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s, BLOCK_C=block_c,
