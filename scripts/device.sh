@@ -393,6 +393,9 @@ for name in "$@"; do
             grep -h "^|" "$OUT"/vae3-1024.log "$OUT"/vae3-efficient.log
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae3-1024.log
             grep -h -A12 "^top kernels, ours N.* bfloat16" "$OUT"/vae3-1024.log | cut -c1-150 ;;
+        gn-sweep-19)  # issue 19: the GroupNorm kernels' launch configs over the 1024^2 decoder's GroupNorms (bf16 NHWC)
+            step gn-sweep 150 python3 bench/group_norm.py
+            cat "$OUT/gn-sweep.log" ;;
         vae-table-19)  # issue 19's VAE rows again, as final-19 measured them: diffusers eager and compiled channels-last
             # (default mode, a cold inductor cache), and the tiled 4096^2 in NHWC
             step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
