@@ -24,6 +24,30 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
 
 
+def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median milliseconds per call: CUDA events on a GPU, the wall clock elsewhere."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def sync(device: torch.device) -> None:
     import torch
 

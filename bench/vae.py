@@ -30,7 +30,6 @@ the table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import (PEER_COMPILE_HELP, compile_peer, inductor_cache_state, peer_compile_modes,  # noqa: E402
-                   print_profile, profile_kernels, release_compiled)
+                   print_profile, profile_kernels, release_compiled, timer)
 from modalmesh.attention import configure  # noqa: E402
 from services.vae.config import VAEConfig, find_vae_dir  # noqa: E402
 from services.vae.engine import ON, TilingDefaults, TilingRequest, VAEEngine  # noqa: E402
@@ -54,26 +53,6 @@ SDXL_VAE = dict(
 QUICK_VAE = {**SDXL_VAE, "block_out_channels": (16, 32), "norm_num_groups": 8, "sample_size": 64,
              "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds per call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def peak_gib(device: torch.device) -> float:

@@ -40,6 +40,7 @@ class LaunchConfig:
 
 
 DEFAULT = LaunchConfig()
+MOMENTS_TILE = 2048  # (chunk, channel) partials group_moments merges per step
 
 
 @functools.cache
@@ -213,8 +214,8 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
     group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
-                                 float(s * cpg), float(eps), BLOCK_K=max(2048 // block_cg, 1), BLOCK_CG=block_cg,
-                                 num_warps=4)
+                                 float(s * cpg), float(eps), BLOCK_K=max(MOMENTS_TILE // block_cg, 1),
+                                 BLOCK_CG=block_cg, num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
     block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
     c_blocks = -(-c // block_c)
