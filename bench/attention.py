@@ -77,6 +77,8 @@ def shapes(quick: bool) -> list[Shape]:
             Shape("packed hd80 [48,17,1]", "vision_encoder", "varlen", 4, 80, seqlens=(48, 17, 1)),
             Shape("paged decode hd128 gqa", "llm", "paged", 4, 128, kv_heads=2, causal=True,
                   query_lens=(1, 1), context_lens=(40, 7)),
+            Shape("paged prefill hd128 gqa prefix", "llm", "paged", 6, 128, kv_heads=2, causal=True,
+                  query_lens=(1, 37), context_lens=(40, 70)),
         ]
     vision = (1024,) * 8  # Qwen2-VL tower, 8 x 448^2 images
     mixed = (4096, 3000, 2048, 1024, 1024, 512, 300, 200, 37, 1)
@@ -95,6 +97,12 @@ def shapes(quick: bool) -> list[Shape]:
               query_lens=(512,) * 8, context_lens=(2048,) * 8),
         Shape("paged decode hd128 gqa b64 ctx2048", "llm", "paged", 32, 128, kv_heads=8, causal=True,
               query_lens=(1,) * 64, context_lens=(2048,) * 64),
+        # Qwen2.5-7B's heads (28 over 4 kv heads): a multi-turn prompt's last chunk over its cached history, and
+        # an eager mixed step of decode rows beside two prompt chunks that continue a prefix
+        Shape("paged prefill hd128 gqa7 q2048 prefix 6144", "llm", "paged", 28, 128, kv_heads=4, causal=True,
+              query_lens=(2048,), context_lens=(8192,)),
+        Shape("paged mixed hd128 gqa7 64 decodes + 2 chunks", "llm", "paged", 28, 128, kv_heads=4, causal=True,
+              query_lens=(1,) * 64 + (512, 512), context_lens=(2048,) * 64 + (1536, 2560)),
     ]
 
 

@@ -694,3 +694,60 @@ def test_decode_splits_fill_the_gpu_from_host_values_only():
     assert [tp.decode_splits(b, 4, cuda7) for b in (1, 2, 4, 8, 16, 32, 256)] == [16, 16, 8, 4, 2, 1, 1]
     assert tp.decode_splits(1, 4, torch.device("cpu")) == 1
     del tp._SMS[7]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", ["small", "default"])
+@pytest.mark.parametrize("window", [None, (21, 0)])
+def test_paged_prefill_chunks_over_a_prefix_equal_reference(device, config, window):
+    """Prompt chunks that continue a cached prefix, in blocks of tokens that read each key block once, against
+    causal softmax attention over each sequence's dense history. Chunks longer than a block (several blocks,
+    a partial last one), a prefix not a multiple of the key block, a whole prompt with no prefix, a single
+    token, and chunks in q rows between rows the kernel must leave alone (a step's new prompts)."""
+    from modalmesh.kernels.paged_prefill import DEFAULT, LaunchConfig, paged_prefill, plan_blocks
+
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    page, kv_heads, group, dim = 16, 2, 3, 64  # a group of 3: blocks of tokens that do not fill BLOCK_M evenly
+    cfg = LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1) if config == "small" else DEFAULT
+    per_block = cfg.block_m // group
+    query_lens = [90, 7, 0, 1, 23, 5]
+    context_lens = [90 + 77, 7 + 3, 9, 50, 23, 5 + 130]
+    skipped = {1}  # q rows of sequence 1 belong to another kernel: untouched
+    pages_per = [-(-c // page) for c in context_lens]
+    num_pages = sum(pages_per) + 1
+    k_cache = torch.randn(num_pages, page, kv_heads, dim, device=device, dtype=dtype)
+    v_cache = torch.randn(num_pages, page, kv_heads, dim, device=device, dtype=dtype)
+    perm = torch.randperm(num_pages - 1).tolist()
+    table, start = [], 0
+    for n in pages_per:
+        table.append(perm[start:start + n] + [0] * (max(pages_per) - n))
+        start += n
+    block_table = torch.tensor(table, dtype=torch.int32, device=device)
+    rows = [0]
+    for n in query_lens:
+        rows.append(rows[-1] + n)
+    q = torch.randn(rows[-1], kv_heads * group, dim, device=device, dtype=dtype)
+    seqs = [b for b in range(len(query_lens)) if b not in skipped]
+    blocks = plan_blocks(query_lens, context_lens, rows, per_block, seqs=seqs)
+    assert max(n for _, _, n, _ in blocks) == per_block and any(n < per_block for _, _, n, _ in blocks)
+    out = torch.full((rows[-1], kv_heads * group, dim), 7.0, device=device, dtype=dtype)
+    paged_prefill(q, k_cache, v_cache, block_table, torch.tensor(blocks, dtype=torch.int32, device=device),
+                  scale=dim ** -0.5, window=window, out=out, config=cfg)
+    for b, (n, c) in enumerate(zip(query_lens, context_lens)):
+        got = out[rows[b]:rows[b + 1]].float()
+        if b in skipped:
+            assert (got == 7.0).all()
+            continue
+        slots = [table[b][t // page] * page + t % page for t in range(c)]
+        k = k_cache.view(-1, kv_heads, dim)[slots].float().repeat_interleave(group, dim=1)
+        v = v_cache.view(-1, kv_heads, dim)[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,thd->hqt", q[rows[b]:rows[b + 1]].float(), k) * dim ** -0.5
+        pos = torch.arange(c - n, c, device=device)[:, None]
+        keys = torch.arange(c, device=device)[None, :]
+        visible = keys <= pos
+        if window is not None:
+            visible &= keys >= pos - window[0]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        want = torch.einsum("hqt,thd->qhd", scores.softmax(-1), v)
+        torch.testing.assert_close(got, want, **TOL[dtype])

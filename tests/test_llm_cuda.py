@@ -104,8 +104,9 @@ def test_bf16_logits_on_cuda_are_close_to_the_fp32_reference(root, family, fused
 @pytest.mark.parametrize("family", ["qwen2", "gpt_neox", "qwen2_vl"])
 def test_cuda_graph_steps_equal_eager_steps(root, family):
     """Decode steps (batch buckets) and mixed steps (token buckets: decode rows beside prompt chunks, here
-    from a 24-token budget) replayed from graphs, against eager steps. float32: both then run the same
-    paged kernel per token (bf16 eager steps hand new prompts to a varlen kernel, which rounds otherwise)."""
+    from a 24-token budget) replayed from graphs, against eager steps. float32, where the graphs' per-token
+    decode kernel and the eager steps' paged prefill kernel agree to rounding (bf16 eager steps hand new
+    prompts to a varlen kernel, which rounds otherwise)."""
     from transformers import AutoTokenizer
 
     path = tiny.ensure(family, root)

@@ -97,7 +97,8 @@ BUILTIN_SPECS: tuple[BackendSpec, ...] = (
         "triton_paged", f"{_HERE}.triton_paged:TritonPaged",
         targets=(Target("cuda", F32_AND_HALF, frozenset({CAUSAL, CAUSAL_OFFSET, WINDOW, PAGED, GQA, V_HEAD_DIM}),
                         min_capability=(8, 0), max_head_dim=256),),
-        doc="our Triton paged-KV decode kernel (CUDA-graph safe); prefill goes to the fastest varlen kernel",
+        doc="our Triton paged-KV kernels: decode (CUDA-graph safe) and chunks over a cached prefix; new prompts go to the "
+            "fastest varlen kernel",
         graph_safe=True,
     ),
     BackendSpec(

@@ -10,6 +10,8 @@ PyTorch path it replaces (the same roundings to the activation dtype):
     rotary.py    RoPE of q and k + the write of k and v into the paged KV pool
     gemv.py      a weight product of one row (batch-1 decode), where cuBLAS leaves bandwidth unused;
                  routed by the linear layers' `gemv` flag (`enable_gemv`, the LLM's --no-gemv-kernels)
+    paged_prefill.py  causal attention of prompt chunks over a cached prefix in the paged KV pool, blocks of
+                 a chunk's tokens reading each key block once (the `triton_paged` backend's eager mixed steps)
 
 A layer calls a kernel only when it was built with ``fused=True`` (the LLM's
 ``--fused-kernels``), its tensors are on a CUDA device and Triton imports

@@ -1,4 +1,4 @@
-"""`triton_paged`: our own paged-KV decode kernel (Triton), for the LLM.
+"""`triton_paged`: our own paged-KV attention kernels (Triton), for the LLM.
 
 Decode (one new token per sequence) runs one Triton program per (sequence, kv
 head): it walks the sequence's pages through the block table, keeps an online
@@ -8,12 +8,13 @@ step can be captured in a CUDA graph. Prefill is delegated: new sequences (no
 cached prefix) go to the fastest varlen kernel installed (FA3, torch varlen,
 FA2) on the new tokens.
 
-A mixed step (continuous batching: decode rows beside new prompts and chunks
-that continue a cached prefix) is split by sequence: new prompts go to the
-varlen delegate, and every other token runs the same kernel as a decode query
-of its own — its sequence's pages, its causal length (`token_seq`,
-`token_ctx`). Only a step whose prefix chunks are long (the kernel would re-read
-their whole context per token) falls back to SDPA over the gathered pages.
+An eager mixed step (continuous batching: decode rows beside new prompts and
+chunks that continue a cached prefix) is split by sequence: new prompts go to
+the varlen delegate, and every other sequence's tokens to the paged prefill
+kernel (`modalmesh.kernels.paged_prefill`), blocks of a chunk's tokens reading
+each key block once. A mixed step replayed from a CUDA graph comes with every
+token a decode query of its own (`token_seq`, `token_ctx`: no host lengths),
+which the decode kernel takes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from modalmesh.attention import registry
 from modalmesh.attention.backends.base import AttentionBackend
 from modalmesh.attention.metadata import VarlenMetadata, host_to_device
+from modalmesh.kernels.paged_prefill import paged_prefill, plan_blocks, tokens_per_block
 
 _VARLEN_DELEGATES = ("fa3", "torch_varlen", "fa2")
 _BLOCK_N = 32
@@ -220,17 +222,17 @@ class TritonPaged(AttentionBackend):
             return self._new_prompts(delegate, q, k_cache, v_cache, meta.slot_mapping, meta.cached(
                 "varlen_meta", lambda: VarlenMetadata(meta.cu_seqlens_q, meta.max_seqlen_q, meta.query_lens)),
                 scale)
-        plan = meta.cached(("mixed_plan", delegate is not None), lambda: MixedPlan.of(meta, delegate is not None))
-        if plan is None or not causal:
+        if not causal:
             return self._sdpa(q).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
+        group = q.shape[1] // k_cache.shape[2]
+        plan = meta.cached(("mixed_plan", delegate is not None, group, q.shape[-1]),
+                           lambda: MixedPlan.of(meta, delegate is not None, tokens_per_block(q.shape[-1], group)))
         out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
-        if plan.token_rows is not None:
-            out[plan.token_rows] = paged_decode(q[plan.token_rows], k_cache, v_cache, meta.block_table,
-                                                plan.token_ctx, scale=scale, window=window, kernel=self._decode,
-                                                token_seq=plan.token_seq)
         if plan.prompt_rows is not None:
             out[plan.prompt_rows] = self._new_prompts(delegate, q[plan.prompt_rows], k_cache, v_cache,
                                                       meta.slot_mapping[plan.prompt_rows], plan.prompt_meta, scale)
+        if plan.blocks is not None:
+            paged_prefill(q, k_cache, v_cache, meta.block_table, plan.blocks, scale=scale, window=window, out=out)
         return out
 
     @staticmethod
@@ -249,52 +251,39 @@ class TritonPaged(AttentionBackend):
         return None
 
 
-# Above this many (token x context) pairs among the per-token rows, re-reading each token's context costs
-# more than the alternatives (SDPA over the gathered pages here; an eager step for the LLM's mixed-step
-# graphs): 64 decode rows of 8k tokens each.
+# Above this many (token x context) pairs, a mixed step's tokens as decode queries of their own (the form
+# a CUDA graph takes: `PagedMetadata.token_seq`) re-read more context than an eager step costs, which runs
+# the paged prefill kernel instead: 64 decode rows of 8k tokens each.
 PER_TOKEN_BUDGET = 64 * 8192
 
 
 @dataclass(frozen=True)
 class MixedPlan:
-    """How a mixed step's tokens split: `prompt_rows` (sequences of new tokens only, to the varlen
-    delegate, with `prompt_meta`) and `token_rows` (every other token, a decode query of its own: its
-    block-table row `token_seq` and causal length `token_ctx`). Built once per step, on the host."""
+    """How an eager mixed step's tokens split: `prompt_rows` (sequences of new tokens only, to the varlen
+    delegate, with `prompt_meta`) and `blocks` (every other sequence's tokens, for the paged prefill
+    kernel: `plan_blocks`' rows, int32 (n, 4) on the device). Built once per step, on the host."""
 
-    token_rows: torch.Tensor | None
-    token_seq: torch.Tensor | None
-    token_ctx: torch.Tensor | None
+    blocks: torch.Tensor | None
     prompt_rows: torch.Tensor | None
     prompt_meta: VarlenMetadata | None
 
     @classmethod
-    def of(cls, meta, varlen: bool) -> MixedPlan | None:
-        token_rows, token_seq, token_ctx, prompt_rows, prompt_lens = [], [], [], [], []
-        start = 0
-        for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-            rows = range(start, start + q)
-            if varlen and q == c:
-                prompt_rows += rows
-                prompt_lens.append(q)
-            else:
-                token_rows += rows
-                token_seq += [b] * q
-                token_ctx += range(c - q + 1, c + 1)
-            start += q
-        if sum(token_ctx) > PER_TOKEN_BUDGET:
-            return None
+    def of(cls, meta, varlen: bool, tokens_per_block: int) -> MixedPlan:
+        rows = [0, *accumulate(meta.query_lens)]
+        prompts = [b for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)) if varlen and q == c]
+        skip = set(prompts)
+        others = [b for b, q in enumerate(meta.query_lens) if q and b not in skip]
+        blocks = plan_blocks(meta.query_lens, meta.context_lens_host, rows, tokens_per_block, seqs=others)
         device = meta.device
-        prompt_meta = None
-        if prompt_lens:
-            prompt_meta = VarlenMetadata(host_to_device([0, *accumulate(prompt_lens)], torch.int32, device),
-                                         max(prompt_lens), tuple(prompt_lens))
-        return cls(
-            token_rows=host_to_device(token_rows, torch.int64, device) if token_rows else None,
-            token_seq=host_to_device(token_seq, torch.int32, device) if token_rows else None,
-            token_ctx=host_to_device(token_ctx, torch.int32, device) if token_rows else None,
-            prompt_rows=host_to_device(prompt_rows, torch.int64, device) if prompt_rows else None,
-            prompt_meta=prompt_meta,
-        )
+        prompt_meta = prompt_rows = None
+        if prompts:
+            lens = [meta.query_lens[b] for b in prompts]
+            prompt_meta = VarlenMetadata(host_to_device([0, *accumulate(lens)], torch.int32, device), max(lens),
+                                         tuple(lens))
+            prompt_rows = host_to_device([t for b in prompts for t in range(rows[b], rows[b + 1])], torch.int64,
+                                         device)
+        return cls(blocks=host_to_device(blocks, torch.int32, device).view(-1, 4) if blocks else None,
+                   prompt_rows=prompt_rows, prompt_meta=prompt_meta)
 
 
 def _fits(target, head_dim: int) -> bool:
