@@ -26,16 +26,14 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench import percentile  # noqa: E402
-from bench.placement import qwen2_vl_7b  # noqa: E402
+from bench.placement import metric, qwen2_vl_7b  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
@@ -68,12 +66,6 @@ def system_prompt(model_dir: Path, tokens: int, salt: str = "") -> str:
     text = " ".join(words)
     ids = tok(text)["input_ids"][:tokens]
     return tok.decode(ids)
-
-
-def metric(proc: ServiceProcess, name: str, **labels) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 async def conversation(stub, system: str, image: bytes, turns: int, output_len: int, records: list) -> None:

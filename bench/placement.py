@@ -111,11 +111,46 @@ async def load(target: str, images: list[bytes], concurrency: int, output_len: i
                 ttft_mean_ms=statistics.mean(ttfts) * 1e3)
 
 
-def encode_count(proc: ServiceProcess) -> float:
+def metric(proc: ServiceProcess, name: str, **labels) -> float:
+    """The sum of a service's samples named `name` whose labels include `labels`."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
     return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
-               if s.name == "modalmesh_requests_total" and s.labels.get("rpc") == "Encode"
-               and s.labels.get("code") == "OK")
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def encode_count(proc: ServiceProcess) -> float:
+    return metric(proc, "modalmesh_requests_total", rpc="Encode", code="OK")
+
+
+# Where a request's time goes, as the services see it: (column, service, histogram, labels). The LLM's clock
+# starts once the request's embeddings are in (so the client's TTFT less the engine's is the Encode and the
+# hand-off); the encoder's stages are per Encode call, its device time per batch.
+PHASES = (
+    ("engine_ttft", "llm", "modalmesh_time_to_first_token_seconds", {}),
+    ("queue", "llm", "modalmesh_request_queue_time_seconds", {}),
+    ("prefill", "llm", "modalmesh_request_prefill_time_seconds", {}),
+    ("decode", "llm", "modalmesh_request_decode_time_seconds", {}),
+    ("enc_prepare", "vision", "modalmesh_encode_stage_seconds", {"stage": "prepare"}),
+    ("enc_batch", "vision", "modalmesh_encode_stage_seconds", {"stage": "batch"}),
+    ("enc_device", "vision", "modalmesh_encode_stage_seconds", {"stage": "device"}),
+    ("enc_respond", "vision", "modalmesh_encode_stage_seconds", {"stage": "respond"}),
+    ("batch_device", "vision", "modalmesh_encoder_batch_seconds", {"phase": "device"}),
+)
+
+
+def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
+    """Each phase's (sum, count) over its services' replicas."""
+    return {col: (sum(metric(p, name + "_sum", **labels) for p in procs[svc]),
+                  sum(metric(p, name + "_count", **labels) for p in procs[svc]))
+            for col, svc, name, labels in PHASES}
+
+
+def phase_means_ms(before: dict, after: dict) -> dict[str, float | None]:
+    means = {}
+    for col, (s1, c1) in after.items():
+        s0, c0 = before[col]
+        means[col] = (s1 - s0) / (c1 - c0) * 1e3 if c1 > c0 else None
+    return means
 
 
 def run_layout(name: str, ckpt: Path, args) -> dict:
@@ -142,10 +177,12 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
             p.wait_serving(timeout=1800)
         warm = [png(args.side, 10_000 + i) for i in range(min(4, args.requests))]
         asyncio.run(load(llm.target, warm, len(warm), 2))  # first calls: graphs, kernels, channels
-        before = [encode_count(v) for v in visions]
+        services = {"llm": [llm], "vision": visions}
+        before, phases = [encode_count(v) for v in visions], phase_totals(services)
         images = [png(args.side, i) for i in range(args.requests)]
         stats = asyncio.run(load(llm.target, images, args.concurrency, args.output_len))
         stats["encode_calls_per_replica"] = [encode_count(v) - b for v, b in zip(visions, before)]
+        stats["phase_mean_ms"] = phase_means_ms(phases, phase_totals(services))
         stats["layout"] = name
         return stats
     finally:
@@ -169,13 +206,20 @@ def main() -> int:
     else:
         ckpt = qwen2_vl_7b(Path(tempfile.mkdtemp(prefix="bench-placement-")))
     rows = [run_layout(name, ckpt, args) for name in args.layouts.split(",")]
-    print(json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows], indent=1))
+    print(json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items() if k != "phase_mean_ms"}
+                      for r in rows], indent=1))
     print(f"\n{args.requests} requests, {args.concurrency} concurrent, one {args.side}x{args.side} image each, "
           f"{args.output_len} output tokens")
     print(f"{'layout':>13} | {'req/s':>7} | {'out tok/s':>9} | {'TTFT p50':>9} | {'TTFT p99':>9} | Encode calls per replica")
     for r in rows:
         print(f"{r['layout']:>13} | {r['requests_s']:7.2f} | {r['output_tok_s']:9.0f} | {r['ttft_p50_ms']:7.0f} ms | "
               f"{r['ttft_p99_ms']:7.0f} ms | {r['encode_calls_per_replica']}")
+    print("\nmean ms per request (LLM) and per Encode call or batch (vision), from the services' histograms; "
+          "client TTFT less engine TTFT = Encode + hand-off")
+    print(f"{'layout':>13} | {'client TTFT':>11} | " + " | ".join(f"{col:>12}" for col, *_ in PHASES))
+    for r in rows:
+        cells = " | ".join(f"{v:12.1f}" if v is not None else f"{'-':>12}" for v in r["phase_mean_ms"].values())
+        print(f"{r['layout']:>13} | {r['ttft_mean_ms']:11.1f} | {cells}")
     return 0
 
 
