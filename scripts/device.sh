@@ -21,6 +21,8 @@
 #   bash scripts/device.sh edge-ab                       # issue 17, the engine process: .prev = git archive a82fe1b
 #   bash scripts/device.sh table-17                      # issue 17's table on one GPU (nvidia-h200)
 #   bash scripts/device.sh profile-edge profile-placement   # issue 17: where the time goes now
+#   bash scripts/device.sh prefill-17            # issue 17: the paged prefill kernel's tests and benches (one GPU)
+#   bash scripts/device.sh table2-17 multiturn   # issue 17's table in one call; multi-turn TTFT (prefix chunks)
 #   bash scripts/device.sh check-19              # issue 19: the GroupNorm fixes, the VAE with it, Whisper's stem
 #   bash scripts/device.sh kernels-19            # issue 19: the new kernels' CUDA tests and their A/B, in ~250 s
 #   bash scripts/device.sh groupnorm-19          # issue 19: the Triton GroupNorm's tests and what it buys the VAE
@@ -284,6 +286,21 @@ for name in "$@"; do
             step llm-cublaslt 120 env TORCH_BLAS_PREFER_CUBLASLT=1 CUDA_VISIBLE_DEVICES=0 python3 bench/llm.py \
                 --batches 1,32 --no-hf
             step placement-shared 150 env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared ;;
+        prefill-17)  # issue 17, paged prefill kernel: its CUDA tests beside the LLM's (one GPU, both small), then
+            # its launch configs and the attention bench's paged shapes (ours beside SDPA over gathered pages)
+            step kernel-tests 270 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                tests/test_attention_backends.py &
+            step cuda-tests 270 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "not tensor_parallel" &
+            wait
+            step paged-prefill 120 python3 bench/paged_prefill.py
+            grep -E "==|best|peer|bar" "$OUT/paged-prefill.log"
+            step attention-paged 150 python3 bench/attention.py --only paged
+            grep -E "==|triton_paged|sdpa_efficient|torch_varlen|selector" "$OUT/attention-paged.log" ;;
+        table2-17)  # issue 17's table on one GPU, one call: decode beside HF, 256 streams, image+text by phase
+            step llm-table 200 python3 bench/llm.py --batches 1,32,256
+            step serve-table 170 python3 bench/serve.py --start --requests 4096
+            step placement-shared 170 python3 bench/placement.py --layouts shared
+            tail -8 "$OUT/placement-shared.log" ;;
         profile-edge)  # issue 17: 256 streams on the edge + engine process, who holds each process's GIL
             step profile-edge 200 /tmp/site/bin/py-spy record --subprocesses --threads --gil --rate 100 \
                 --format raw -o "$OUT/profile-edge.txt" -- env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start \
