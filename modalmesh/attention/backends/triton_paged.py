@@ -10,9 +10,9 @@ FA2) on the new tokens.
 
 An eager mixed step (continuous batching: decode rows beside new prompts and
 chunks that continue a cached prefix) is split by sequence: new prompts go to
-the varlen delegate, and every other sequence's tokens to the paged prefill
-kernel (`modalmesh.kernels.paged_prefill`), blocks of a chunk's tokens reading
-each key block once. A mixed step replayed from a CUDA graph comes with every
+the varlen delegate, decode rows to the decode kernel, and chunks that continue
+a prefix to the paged prefill kernel (`modalmesh.kernels.paged_prefill`), blocks
+of a chunk's tokens reading each key block once. A mixed step replayed from a CUDA graph comes with every
 token a decode query of its own (`token_seq`, `token_ctx`: no host lengths),
 which the decode kernel takes.
 """
@@ -231,6 +231,10 @@ class TritonPaged(AttentionBackend):
         if plan.prompt_rows is not None:
             out[plan.prompt_rows] = self._new_prompts(delegate, q[plan.prompt_rows], k_cache, v_cache,
                                                       meta.slot_mapping[plan.prompt_rows], plan.prompt_meta, scale)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = paged_decode(q[plan.decode_rows], k_cache, v_cache, meta.block_table,
+                                                 plan.decode_ctx, scale=scale, window=window, kernel=self._decode,
+                                                 token_seq=plan.decode_seq)
         if plan.blocks is not None:
             paged_prefill(q, k_cache, v_cache, meta.block_table, plan.blocks, scale=scale, window=window, out=out)
         return out
@@ -259,21 +263,28 @@ PER_TOKEN_BUDGET = 64 * 8192
 
 @dataclass(frozen=True)
 class MixedPlan:
-    """How an eager mixed step's tokens split: `prompt_rows` (sequences of new tokens only, to the varlen
-    delegate, with `prompt_meta`) and `blocks` (every other sequence's tokens, for the paged prefill
-    kernel: `plan_blocks`' rows, int32 (n, 4) on the device). Built once per step, on the host."""
+    """How an eager mixed step's sequences split, by kernel: `prompt_rows` (sequences of new tokens only, to
+    the varlen delegate, with `prompt_meta`); `decode_rows` (sequences of one new token, the decode kernel's
+    rows: block-table row `decode_seq`, context `decode_ctx`); `blocks` (the chunks of every other sequence,
+    for the paged prefill kernel: `plan_blocks`' rows, int32 (n, 4)). All on the device, built once per step
+    on the host. One-token sequences stay with the decode kernel: a block of one token would fill a
+    fraction of the prefill kernel's rows, and the decode kernel's per-group tile is its size."""
 
     blocks: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    decode_seq: torch.Tensor | None
+    decode_ctx: torch.Tensor | None
     prompt_rows: torch.Tensor | None
     prompt_meta: VarlenMetadata | None
 
     @classmethod
     def of(cls, meta, varlen: bool, tokens_per_block: int) -> MixedPlan:
         rows = [0, *accumulate(meta.query_lens)]
-        prompts = [b for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)) if varlen and q == c]
-        skip = set(prompts)
-        others = [b for b, q in enumerate(meta.query_lens) if q and b not in skip]
-        blocks = plan_blocks(meta.query_lens, meta.context_lens_host, rows, tokens_per_block, seqs=others)
+        prompts, decodes, chunks = [], [], []
+        for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+            if q:
+                (prompts if varlen and q == c else decodes if q == 1 else chunks).append(b)
+        blocks = plan_blocks(meta.query_lens, meta.context_lens_host, rows, tokens_per_block, seqs=chunks)
         device = meta.device
         prompt_meta = prompt_rows = None
         if prompts:
@@ -282,7 +293,14 @@ class MixedPlan:
                                          tuple(lens))
             prompt_rows = host_to_device([t for b in prompts for t in range(rows[b], rows[b + 1])], torch.int64,
                                          device)
+
+        def on_device(values, dtype):
+            return host_to_device(values, dtype, device) if decodes else None
+
         return cls(blocks=host_to_device(blocks, torch.int32, device).view(-1, 4) if blocks else None,
+                   decode_rows=on_device([rows[b] for b in decodes], torch.int64),
+                   decode_seq=on_device(decodes, torch.int32),
+                   decode_ctx=on_device([meta.context_lens_host[b] for b in decodes], torch.int32),
                    prompt_rows=prompt_rows, prompt_meta=prompt_meta)
 
 
