@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from itertools import accumulate
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,9 +61,7 @@ def main(argv=None) -> int:
         q, k_cache, v_cache, meta = make_call(shape, device)
         reference = run(NaiveBackend(registry.spec("torch_naive")), shape,
                         (q.float(), k_cache.float(), v_cache.float(), meta))
-        rows = [0]
-        for n in shape.query_lens:
-            rows.append(rows[-1] + n)
+        rows = [0, *accumulate(shape.query_lens)]
         group = shape.heads // (shape.kv_heads or shape.heads)
         flops = shape.flops()
         print(f"\n== {shape.name}  ({flops / 1e9:.1f} GFLOP)")
@@ -70,10 +69,9 @@ def main(argv=None) -> int:
         for cfg in CANDIDATES:
             if cfg.block_m < group:
                 continue
-            blocks = torch.tensor(plan_blocks(shape.query_lens, shape.context_lens, rows, cfg.block_m // group),
-                                  dtype=torch.int32, device=device)
-            call = lambda: paged_prefill(q, k_cache, v_cache, meta.block_table, blocks,  # noqa: E731
-                                         scale=shape.head_dim ** -0.5, config=cfg)
+            plan = plan_blocks(shape.query_lens, shape.context_lens, rows, group=group, config=cfg, device=device)
+            call = lambda: paged_prefill(q, k_cache, v_cache, meta.block_table, plan,  # noqa: E731
+                                         scale=shape.head_dim ** -0.5)
             try:
                 err = (call().float() - reference).abs().max().item()
                 seconds = timed(call, device)

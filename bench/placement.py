@@ -111,11 +111,19 @@ async def load(target: str, images: list[bytes], concurrency: int, output_len: i
                 ttft_mean_ms=statistics.mean(ttfts) * 1e3)
 
 
-def metric(proc: ServiceProcess, name: str, **labels) -> float:
-    """The sum of a service's samples named `name` whose labels include `labels`."""
+def scrape(proc: ServiceProcess) -> list:
+    """Every sample a service exports now (one /metrics read)."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return [s for f in text_string_to_metric_families(body) for s in f.samples]
+
+
+def total(samples: list, name: str, **labels) -> float:
+    """The sum of the samples named `name` whose labels include `labels`."""
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def metric(proc: ServiceProcess, name: str, **labels) -> float:
+    return total(scrape(proc), name, **labels)
 
 
 def encode_count(proc: ServiceProcess) -> float:
@@ -139,9 +147,10 @@ PHASES = (
 
 
 def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
-    """Each phase's (sum, count) over its services' replicas."""
-    return {col: (sum(metric(p, name + "_sum", **labels) for p in procs[svc]),
-                  sum(metric(p, name + "_count", **labels) for p in procs[svc]))
+    """Each phase's (sum, count) over its services' replicas, from one scrape of each."""
+    samples = {svc: [scrape(p) for p in replicas] for svc, replicas in procs.items()}
+    return {col: (sum(total(s, name + "_sum", **labels) for s in samples[svc]),
+                  sum(total(s, name + "_count", **labels) for s in samples[svc]))
             for col, svc, name, labels in PHASES}
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -56,7 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench import (PEER_COMPILE_HELP, compile_peer, inductor_cache_state, peer_compile_modes,  # noqa: E402
-                   print_profile, profile_kernels, release_compiled)
+                   print_profile, profile_kernels, release_compiled, timer)
 from modalmesh import attention, pb  # noqa: E402
 from modalmesh.errors import ConfigError  # noqa: E402
 from modalmesh.rpc.codec import to_proto  # noqa: E402
@@ -138,23 +137,8 @@ def write_checkpoint(cfg, proc: dict, root: Path) -> Path:
 
 
 def timed(fn, iters: int, device: torch.device) -> float:
-    """Median milliseconds per call (CUDA events on GPUs, perf_counter on CPU), after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds per call after 3 warm-up calls (bench.timer)."""
+    return timer(fn, device, 3, iters)
 
 
 def jpeg_items(batch: int, side: int, seed: int = 0) -> list[pb.EncodeItem]:

@@ -729,11 +729,10 @@ def test_paged_prefill_chunks_over_a_prefix_equal_reference(device, config, wind
         rows.append(rows[-1] + n)
     q = torch.randn(rows[-1], kv_heads * group, dim, device=device, dtype=dtype)
     seqs = [b for b in range(len(query_lens)) if b not in skipped]
-    blocks = plan_blocks(query_lens, context_lens, rows, per_block, seqs=seqs)
-    assert max(n for _, _, n, _ in blocks) == per_block and any(n < per_block for _, _, n, _ in blocks)
+    plan = plan_blocks(query_lens, context_lens, rows, group=group, config=cfg, device=device, seqs=seqs)
+    assert max(n for _, _, n, _ in plan.blocks) == per_block and any(n < per_block for _, _, n, _ in plan.blocks)
     out = torch.full((rows[-1], kv_heads * group, dim), 7.0, device=device, dtype=dtype)
-    paged_prefill(q, k_cache, v_cache, block_table, torch.tensor(blocks, dtype=torch.int32, device=device),
-                  scale=dim ** -0.5, window=window, out=out, config=cfg)
+    paged_prefill(q, k_cache, v_cache, block_table, plan, scale=dim ** -0.5, window=window, out=out)
     for b, (n, c) in enumerate(zip(query_lens, context_lens)):
         got = out[rows[b]:rows[b + 1]].float()
         if b in skipped:

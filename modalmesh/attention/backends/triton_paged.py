@@ -12,9 +12,9 @@ An eager mixed step (continuous batching: decode rows beside new prompts and
 chunks that continue a cached prefix) is split by sequence: new prompts go to
 the varlen delegate, decode rows to the decode kernel, and chunks that continue
 a prefix to the paged prefill kernel (`modalmesh.kernels.paged_prefill`), blocks
-of a chunk's tokens reading each key block once. A mixed step replayed from a CUDA graph comes with every
-token a decode query of its own (`token_seq`, `token_ctx`: no host lengths),
-which the decode kernel takes.
+of a chunk's tokens reading each key block once. A mixed step replayed from a
+CUDA graph comes with every token a decode query of its own (`token_seq`,
+`token_ctx`: no host lengths), which the decode kernel takes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from modalmesh.attention import registry
 from modalmesh.attention.backends.base import AttentionBackend
 from modalmesh.attention.metadata import VarlenMetadata, host_to_device
-from modalmesh.kernels.paged_prefill import paged_prefill, plan_blocks, tokens_per_block
+from modalmesh.kernels.paged_prefill import BlockPlan, config_for, paged_prefill, plan_blocks
 
 _VARLEN_DELEGATES = ("fa3", "torch_varlen", "fa2")
 _BLOCK_N = 32
@@ -226,7 +226,7 @@ class TritonPaged(AttentionBackend):
             return self._sdpa(q).paged(q, k_cache, v_cache, meta, causal=causal, scale=scale, window=window)
         group = q.shape[1] // k_cache.shape[2]
         plan = meta.cached(("mixed_plan", delegate is not None, group, q.shape[-1]),
-                           lambda: MixedPlan.of(meta, delegate is not None, tokens_per_block(q.shape[-1], group)))
+                           lambda: MixedPlan.of(meta, delegate is not None, group, q.shape[-1]))
         out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
         if plan.prompt_rows is not None:
             out[plan.prompt_rows] = self._new_prompts(delegate, q[plan.prompt_rows], k_cache, v_cache,
@@ -266,11 +266,11 @@ class MixedPlan:
     """How an eager mixed step's sequences split, by kernel: `prompt_rows` (sequences of new tokens only, to
     the varlen delegate, with `prompt_meta`); `decode_rows` (sequences of one new token, the decode kernel's
     rows: block-table row `decode_seq`, context `decode_ctx`); `blocks` (the chunks of every other sequence,
-    for the paged prefill kernel: `plan_blocks`' rows, int32 (n, 4)). All on the device, built once per step
+    for the paged prefill kernel). All on the device, built once per step
     on the host. One-token sequences stay with the decode kernel: a block of one token would fill a
     fraction of the prefill kernel's rows, and the decode kernel's per-group tile is its size."""
 
-    blocks: torch.Tensor | None
+    blocks: BlockPlan | None
     decode_rows: torch.Tensor | None
     decode_seq: torch.Tensor | None
     decode_ctx: torch.Tensor | None
@@ -278,14 +278,15 @@ class MixedPlan:
     prompt_meta: VarlenMetadata | None
 
     @classmethod
-    def of(cls, meta, varlen: bool, tokens_per_block: int) -> MixedPlan:
+    def of(cls, meta, varlen: bool, group: int, head_dim: int) -> MixedPlan:
         rows = [0, *accumulate(meta.query_lens)]
         prompts, decodes, chunks = [], [], []
         for b, (q, c) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
             if q:
                 (prompts if varlen and q == c else decodes if q == 1 else chunks).append(b)
-        blocks = plan_blocks(meta.query_lens, meta.context_lens_host, rows, tokens_per_block, seqs=chunks)
         device = meta.device
+        blocks = plan_blocks(meta.query_lens, meta.context_lens_host, rows, group=group,
+                             config=config_for(head_dim, group), device=device, seqs=chunks) if chunks else None
         prompt_meta = prompt_rows = None
         if prompts:
             lens = [meta.query_lens[b] for b in prompts]
@@ -297,7 +298,7 @@ class MixedPlan:
         def on_device(values, dtype):
             return host_to_device(values, dtype, device) if decodes else None
 
-        return cls(blocks=host_to_device(blocks, torch.int32, device).view(-1, 4) if blocks else None,
+        return cls(blocks=blocks,
                    decode_rows=on_device([rows[b] for b in decodes], torch.int64),
                    decode_seq=on_device(decodes, torch.int32),
                    decode_ctx=on_device([meta.context_lens_host[b] for b in decodes], torch.int32),
