@@ -130,10 +130,18 @@ def encode_count(proc: ServiceProcess) -> float:
     return metric(proc, "modalmesh_requests_total", rpc="Encode", code="OK")
 
 
-# Where a request's time goes, as the services see it: (column, service, histogram, labels). The LLM's clock
-# starts once the request's embeddings are in (so the client's TTFT less the engine's is the Encode and the
-# hand-off); the encoder's stages are per Encode call, its device time per batch.
+# Where a request's time goes, as the services see it: (row, service, histogram, labels). The LLM's set-up
+# stages come before the engine has the request (its TTFT starts after them); the LLM's Encode calls (rpc, take)
+# are per item, and the encoder's handler and its stages per Encode call; the encoder's device time per batch.
 PHASES = (
+    ("setup_link", "llm", "modalmesh_generate_setup_seconds", {"stage": "link"}),
+    ("setup_validate", "llm", "modalmesh_generate_setup_seconds", {"stage": "validate"}),
+    ("setup_prefix", "llm", "modalmesh_generate_setup_seconds", {"stage": "prefix"}),
+    ("setup_encode", "llm", "modalmesh_generate_setup_seconds", {"stage": "encode"}),
+    ("setup_admit", "llm", "modalmesh_generate_setup_seconds", {"stage": "admit"}),
+    ("encode_rpc", "llm", "modalmesh_encode_call_seconds", {"stage": "rpc"}),
+    ("encode_take", "llm", "modalmesh_encode_call_seconds", {"stage": "take"}),
+    ("enc_handler", "vision", "modalmesh_request_duration_seconds", {"rpc": "Encode"}),
     ("engine_ttft", "llm", "modalmesh_time_to_first_token_seconds", {}),
     ("queue", "llm", "modalmesh_request_queue_time_seconds", {}),
     ("prefill", "llm", "modalmesh_request_prefill_time_seconds", {}),
@@ -189,6 +197,7 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
         services = {"llm": [llm], "vision": visions}
         before, phases = [encode_count(v) for v in visions], phase_totals(services)
         images = [png(args.side, i) for i in range(args.requests)]
+        print(f"{name}: load starts", flush=True)  # a profiler attaches now (scripts/device.sh)
         stats = asyncio.run(load(llm.target, images, args.concurrency, args.output_len))
         stats["encode_calls_per_replica"] = [encode_count(v) - b for v, b in zip(visions, before)]
         stats["phase_mean_ms"] = phase_means_ms(phases, phase_totals(services))
@@ -223,12 +232,14 @@ def main() -> int:
     for r in rows:
         print(f"{r['layout']:>13} | {r['requests_s']:7.2f} | {r['output_tok_s']:9.0f} | {r['ttft_p50_ms']:7.0f} ms | "
               f"{r['ttft_p99_ms']:7.0f} ms | {r['encode_calls_per_replica']}")
-    print("\nmean ms per request (LLM) and per Encode call or batch (vision), from the services' histograms; "
-          "client TTFT less engine TTFT = Encode + hand-off")
-    print(f"{'layout':>13} | {'client TTFT':>11} | " + " | ".join(f"{col:>12}" for col, *_ in PHASES))
-    for r in rows:
-        cells = " | ".join(f"{v:12.1f}" if v is not None else f"{'-':>12}" for v in r["phase_mean_ms"].values())
-        print(f"{r['layout']:>13} | {r['ttft_mean_ms']:11.1f} | {cells}")
+    print("\nmean ms, from the services' histograms: per request (LLM set-up and engine), per item (LLM's Encode "
+          "calls), per Encode call (vision handler and stages), per batch (batch_device); client TTFT = set-up + "
+          "engine TTFT + the stream's first message")
+    print(f"{'phase':>14} | " + " | ".join(f"{r['layout']:>12}" for r in rows))
+    print(f"{'client TTFT':>14} | " + " | ".join(f"{r['ttft_mean_ms']:12.1f}" for r in rows))
+    for col, *_ in PHASES:
+        cells = (r["phase_mean_ms"][col] for r in rows)
+        print(f"{col:>14} | " + " | ".join(f"{v:12.1f}" if v is not None else f"{'-':>12}" for v in cells))
     return 0
 
 

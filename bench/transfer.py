@@ -16,6 +16,9 @@ and a 2688x2688 image 9216 rows (66 MB). For each image size:
 - limit: one memcpy of the same bytes in this process.
 - RPC floor: the same call for a cached 56x56 image (28 KB): what any Encode costs, whatever it
   carries; the same-host call's time beyond it is what the embedding's size costs.
+- where a call's time goes (`--split`, beside each path): the LLM pool's own stages, the RPC (the encoder's
+  handler within it) and the take (the read onto the caller's device), means over the same calls; the
+  rest of the RPC beyond the handler is transport and both event loops.
 - TTFT: Generate(image + text, one output token) on each LLM (same-host paths on: CUDA IPC on a
   GPU, shared memory on the CPU; and off), the image cached on the encoder, and the transfer's
   share of it.
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from modalmesh import pb  # noqa: E402
+from modalmesh.metrics import Metrics  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.shm import ShmProbe, shm_available  # noqa: E402
 
@@ -85,9 +90,37 @@ def smooth_png(side: int) -> bytes:
     return buf.getvalue()
 
 
-async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) -> tuple[float, int]:
-    """Median seconds of one cached Encode, and the embedding's bytes. `mode`: "stub" is a plain client
-    (the generated stub, protobuf parsing, `from_proto`: the peer); "bytes" and "shm" are the LLM's own
+def scrape_sums(metrics_port: int | None, names: tuple[str, ...]) -> dict[tuple, float]:
+    """(sample name, labels...) -> value for the encoder's samples named `names` (empty without an exporter)."""
+    if metrics_port is None:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body)
+            for s in f.samples if s.name.startswith(names)}
+
+
+def mean_ms(before: dict, after: dict, name: str, **labels) -> float:
+    """Mean ms of histogram `name` (samples whose labels include `labels`) between two reads."""
+    def pick(reads, suffix):
+        return sum(v for (n, *kv), v in reads.items() if n == name + suffix and set(labels.items()) <= set(kv))
+    count = pick(after, "_count") - pick(before, "_count")
+    return (pick(after, "_sum") - pick(before, "_sum")) / count * 1e3 if count else float("nan")
+
+
+ENCODER_TIMES = ("modalmesh_request_duration_seconds", "modalmesh_encode_stage_seconds")
+
+
+def registry_sums(metrics: Metrics) -> dict[tuple, float]:
+    return {(s.name, *sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples}
+
+
+async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str,
+                      encoder_metrics_port: int | None = None) -> tuple[float, int, dict[str, float]]:
+    """Median seconds of one cached Encode, the embedding's bytes, and where a call's time went (means, ms:
+    rpc and take as the pool times them, the encoder's handler and its stages). `mode`: "stub" is a plain
+    client (the generated stub, protobuf parsing, `from_proto`: the peer); "bytes" and "shm" are the LLM's own
     `EncoderPool` without and with the shared-memory offer."""
     from modalmesh.rpc.channel import aio_channel
     from modalmesh.rpc.codec import from_proto
@@ -97,7 +130,8 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
 
     probe = ShmProbe() if mode in ("shm", "shm_gpu", "cuda_ipc") else None
     device = torch.device("cuda") if mode in ("shm_gpu", "cuda_ipc") else None
-    pool = EncoderPool(pb.IMAGE, target, probe=probe, device=device)
+    metrics = Metrics("llm", process_metrics=False)
+    pool = EncoderPool(pb.IMAGE, target, probe=probe, device=device, metrics=metrics)
     if mode == "shm_gpu":
         pool.receiver.cuda_ipc = False
     want = {"stub": "grpc", "bytes": "grpc", "shm": "shared_memory", "shm_gpu": "shared_memory"}.get(mode, mode)
@@ -105,7 +139,9 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
     stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
     try:
         times, nbytes = [], 0
-        for _ in range(repeat + _WARMUP):  # warm-up calls: the channel's windows, the slab, the mapping
+        for i in range(repeat + _WARMUP):  # warm-up calls: the channel's windows, the slab, the mapping
+            if i == _WARMUP:
+                ours0, theirs0 = registry_sums(metrics), scrape_sums(encoder_metrics_port, ENCODER_TIMES)
             start = time.perf_counter()
             if mode == "stub":
                 reply = await stub.Encode(pb.EncodeRequest(items=[item]), timeout=600)
@@ -117,7 +153,13 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str) 
                 raise RuntimeError(f"{mode}: the answer took the {path_of(reply.embeddings[0].embedding)} path: "
                                    "is /dev/shm shared?")
             nbytes = tensor.numel() * tensor.element_size()
-        return statistics.median(times[_WARMUP:]), nbytes
+        ours, theirs = registry_sums(metrics), scrape_sums(encoder_metrics_port, ENCODER_TIMES)
+        split = {"rpc": mean_ms(ours0, ours, "modalmesh_encode_call_seconds", stage="rpc"),
+                 "take": mean_ms(ours0, ours, "modalmesh_encode_call_seconds", stage="take"),
+                 "handler": mean_ms(theirs0, theirs, "modalmesh_request_duration_seconds", rpc="Encode"),
+                 **{stage: mean_ms(theirs0, theirs, "modalmesh_encode_stage_seconds", stage=stage)
+                    for stage in ("prepare", "respond")}}
+        return statistics.median(times[_WARMUP:]), nbytes, split
     finally:
         await pool.close()
         await channel.close()
@@ -169,7 +211,9 @@ def main() -> int:
     ckpt = make_checkpoint(Path(args.checkpoint or Path(tempfile.gettempdir()) / "modalmesh-bench-transfer"))
     common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--model", str(ckpt),
               "--device", args.device, "--dtype", "bfloat16"]
-    vision = ServiceProcess("vision_encoder", [*common, "--cache-mb", "2048", "--max-batch-tokens", "65536"]).start()
+    # The encoder exports its metrics: its handler's time and stages, beside the pool's split of each call.
+    vision = ServiceProcess("vision_encoder", [*common, "--metrics-port", "0", "--cache-mb", "2048",
+                                               "--max-batch-tokens", "65536"]).start()
     procs = [vision]
     try:
         vision.wait_listening(300)
@@ -182,17 +226,22 @@ def main() -> int:
         for p in procs:
             p.wait_serving(timeout=900)
         # The cost of any Encode call, whatever its answer: a cached 56x56 image (4 rows, 28 KB) as bytes.
-        floor_s, _ = asyncio.run(time_encode(vision.target, pb.EncodeItem(data=smooth_png(56), max_pixels=56 * 56),
-                                             args.repeat, "bytes"))
+        def timed(item, mode):
+            return asyncio.run(time_encode(vision.target, item, args.repeat, mode, vision.metrics_port))
+
+        floor_s, _, floor_split = timed(pb.EncodeItem(data=smooth_png(56), max_pixels=56 * 56), "bytes")
+        splits = {("56 (floor)", "bytes"): floor_split}
         rows = []
+        nan = (float("nan"), 0, {})
         for side in (int(s) for s in args.sizes.split(",")):
             item = pb.EncodeItem(data=smooth_png(side), max_pixels=side * side)
-            stub_s, nbytes = asyncio.run(time_encode(vision.target, item, args.repeat, "stub"))
-            grpc_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "bytes"))
-            shm_s, _ = asyncio.run(time_encode(vision.target, item, args.repeat, "shm"))
             gpu = args.device == "cuda"
-            ipc_s = asyncio.run(time_encode(vision.target, item, args.repeat, "cuda_ipc"))[0] if gpu else float("nan")
-            shm_gpu_s = asyncio.run(time_encode(vision.target, item, args.repeat, "shm_gpu"))[0] if gpu else float("nan")
+            (stub_s, nbytes, _), (grpc_s, _, grpc_split), (shm_s, _, shm_split) = (
+                timed(item, "stub"), timed(item, "bytes"), timed(item, "shm"))
+            ipc_s, _, ipc_split = timed(item, "cuda_ipc") if gpu else nan
+            shm_gpu_s, _, shm_gpu_split = timed(item, "shm_gpu") if gpu else nan
+            splits.update({(side, "bytes"): grpc_split, (side, "shared memory"): shm_split,
+                           (side, "shm -> GPU"): shm_gpu_split, (side, "CUDA IPC"): ipc_split})
             copy_s = memcpy_seconds(nbytes, args.repeat)
             if side <= args.ttft_max_side:
                 fast_ttft, plain_ttft = ttft(fast.target, item, args.ttft_repeat), ttft(plain.target, item, args.ttft_repeat)
@@ -230,6 +279,15 @@ def main() -> int:
               f"{r['beyond_floor_share']:9.1%}")
     print("RPC floor: the same Encode call for a cached 56x56 image (28 KB, bytes); 'beyond it': the same-host "
           "call's time above that floor, as a share of TTFT")
+    print("\nwhere a call's time goes (means of the same calls, ms): the pool's rpc and take; within the rpc the "
+          "encoder's handler (its prepare and respond stages); rpc - handler = transport and both event loops")
+    print(f"{'image':>10} {'path':>14} | {'rpc':>6} {'take':>6} | {'handler':>7} {'prepare':>7} {'respond':>7} | "
+          f"{'rpc-handler':>11}")
+    for (side, path), sp in splits.items():
+        if not sp:
+            continue
+        print(f"{side!s:>10} {path:>14} | {sp['rpc']:6.3f} {sp['take']:6.3f} | {sp['handler']:7.3f} "
+              f"{sp['prepare']:7.3f} {sp['respond']:7.3f} | {sp['rpc'] - sp['handler']:11.3f}")
     return 0
 
 

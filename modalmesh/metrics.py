@@ -136,6 +136,16 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "the forward's launches), wait (the worker waiting for the batch before last to finish on the GPU), "
                "idle (the worker between two batches), device (the stream's span from reaching the batch to "
                "finishing it, CUDA events; observed once the batch has finished).", ("phase",), _LATENCY),
+    MetricSpec("modalmesh_encode_call_seconds", "histogram",
+               "LLM: one item's Encode call to its encoder pool, by stage: rpc (the call, the encoder's own stages "
+               "included: the rest is transport and both event loops), take (its embedding read onto the LLM's "
+               "device), by the pool's modality.", ("modality", "stage"), _LATENCY),
+    MetricSpec("modalmesh_generate_setup_seconds", "histogram",
+               "LLM: a Generate call's time before its choices reach the engine (where "
+               "modalmesh_time_to_first_token_seconds starts), by stage: link (the edge handing the call to the "
+               "engine process), validate (sampling parameters, tokenising, limits), prefix (item digests and "
+               "the prefix cache's hold), encode (the items' Encode calls and reads), admit (the structured-output grammar, splicing the "
+               "embeddings in and adding the choices to the engine).", ("stage",), _LATENCY),
     MetricSpec("modalmesh_decoded_images_total", "counter", "Images decoded by the VAE."),
     MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
     MetricSpec("modalmesh_vae_tiles_total", "counter", "Tiles decoded by tiled VAE decoding."),

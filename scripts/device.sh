@@ -31,6 +31,7 @@
 #       channels-last), and vae-autotune-19, siglip-autotune-19 (max-autotune, a call each) if the table needs them
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
+#   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -446,6 +447,24 @@ for name in "$@"; do
             step siglip-autotune 540 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
                 --only siglip-b32 --peer-compile max-autotune
             grep -h -E "^(# HF|case|siglip)" "$OUT/siglip-autotune.log" ;;
+        where-18)  # issue 18: where an image request's time goes before the engine has it (one GPU): the transfer
+            # bench split by stage, then image+text on one GPU by phase with py-spy attached once the load runs
+            step transfer 150 python3 bench/transfer.py --sizes 448,2688
+            P="$OUT/prof"; mkdir -p "$P"
+            env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared --requests "${REQUESTS:-768}" \
+                >"$OUT/placement-shared.log" 2>&1 &
+            load=$!
+            for _ in $(seq 300); do grep -q "load starts" "$OUT/placement-shared.log" 2>/dev/null && break
+                                    kill -0 "$load" || break; sleep 1; done
+            sleep 3  # past the first wave's start
+            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 6 --rate 100 --format raw \
+                --threads --idle -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
+            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 5 --rate 100 --format raw \
+                --threads --gil -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
+            timeout 400 tail --pid "$load" -f /dev/null
+            tail -30 "$OUT/placement-shared.log"
+            python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/where-18-summary.txt" 2>&1
+            tar czf "$OUT/where-18-prof.tgz" -C "$OUT" prof && rm -rf "$P" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac

@@ -28,7 +28,7 @@ def short(frame: str) -> str:
 
 
 def read(path: str) -> dict[str, list[tuple[list[str], int]]]:
-    """thread -> [(stack, count)]."""
+    """thread (with its process, when the profile names one) -> [(stack, count)]."""
     threads: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -37,6 +37,9 @@ def read(path: str) -> dict[str, list[tuple[list[str], int]]]:
                 continue
             frames = stack.split(";")
             thread = next((fr for fr in frames if fr.startswith("thread ")), "thread ?")
+            process = next((fr for fr in frames if fr.startswith("process ")), None)
+            if process is not None:  # --subprocesses: the same thread name in several processes stays apart
+                thread = f"{process.strip()} {thread}"
             frames = [fr for fr in frames if not fr.startswith(("thread ", "process "))]
             threads[thread].append(([short(fr) for fr in frames], int(count)))
     return threads

@@ -228,6 +228,33 @@ def test_co_located_embeddings_travel_through_shared_memory_and_bytes_when_off(v
         assert stop_all(plain) == [0]
 
 
+def _setup_counts(llm):
+    stages = ("link", "validate", "prefix", "encode", "admit")
+    counts = {s: metric(llm, "modalmesh_generate_setup_seconds_count", stage=s) for s in stages}
+    sums = {s: metric(llm, "modalmesh_generate_setup_seconds_sum", stage=s) for s in stages}
+    calls = {s: metric(llm, "modalmesh_encode_call_seconds_count", modality="image", stage=s) for s in ("rpc", "take")}
+    return counts, sums, calls
+
+
+def test_a_calls_setup_before_the_engine_is_timed_by_stage(vl):
+    """Where a request waits before the engine has it: every stage it went through observed once, within the
+    client's own time for the call (the link's clock is the edge's, read in another process)."""
+    _, _, llm = vl
+    counts0, sums0, calls0 = _setup_counts(llm)
+    start_ = time.perf_counter()
+    generate(llm.target, text=f"{VISION} and some text", items=image_items([png(56, 84, seed=91)]), sampling=greedy(2))
+    generate(llm.target, text="text alone", sampling=greedy(2))
+    wall = time.perf_counter() - start_
+    counts, sums, calls = _setup_counts(llm)
+    added = {s: counts[s] - counts0[s] for s in counts}
+    # The text-only call has no items: no digests, no Encode; the image was new, so it was encoded.
+    assert added == {"link": 2, "validate": 2, "prefix": 1, "encode": 1, "admit": 2}, added
+    assert {s: calls[s] - calls0[s] for s in calls} == {"rpc": 1, "take": 1}
+    spent = sum(sums[s] - sums0[s] for s in sums)
+    assert 0 < spent < wall, (spent, wall)
+    assert sums["encode"] - sums0["encode"] > 0 and sums["link"] - sums0["link"] > 0
+
+
 def _until(predicate, timeout=10.0):
     """Poll `predicate` until it holds (bounded): the encoder counts a call after it has sent the answer."""
     deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads
     edge, engine = socket_pair()
     sender = FrameSender(engine)
     big = bytes(range(256)) * 40_000  # 10 MB: past the socket buffers, so the sender blocks on the reader
-    big_call = GenerateCall(9, big, 1.5, (("x-request-id", "r1"),))
+    big_call = GenerateCall(9, big, 1.5, (("x-request-id", "r1"),), 12.5)
 
     def engine_thread():
         for i in range(200):
@@ -68,7 +68,7 @@ def test_every_message_crosses_as_plain_values_and_comes_back_equal():
     from services.llm.link import (Answer, EndCall, ErrorInfo, LoadFailed, Query, Ready, Shutdown, Stopped)
 
     error = ErrorInfo("INVALID_ARGUMENT", "bad", "InvalidArgument")
-    messages = [GenerateCall(1, b"\x00\x01", None, ()), EndCall(1, True), Query(2, "info"), Shutdown(), Ready(),
+    messages = [GenerateCall(1, b"\x00\x01", None, (), 0.25), EndCall(1, True), Query(2, "info"), Shutdown(), Ready(),
                 LoadFailed(error), CallFailed(3, error), StepDeltas([(4, 0, [1, 2], "ab", [-0.5], ("stop", 3, 2, 0),
                                                                       {"error": error})]),
                 Answer(2, b"info"), Stopped()]

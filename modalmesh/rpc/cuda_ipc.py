@@ -173,12 +173,6 @@ class CudaIpcReader:
             with torch.cuda.stream(transfer_stream(self._device)):
                 self._mapped.clear()
 
-    def close(self) -> None:
-        """Close every mapping still kept (torch's IPC counters tell the producers)."""
-        if self._mapped:
-            with torch.cuda.stream(transfer_stream(self._device)):
-                self._mapped.clear()
-
     def read(self, message: pb.Tensor, *, name: str, device: torch.device) -> torch.Tensor:
         """`start`, waiting for the copy on this thread, then `finish`: the tensor on `device`."""
         pending = self.start(message, name=name, device=device)

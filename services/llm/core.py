@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -87,6 +88,23 @@ class _Call:
     task: asyncio.Task | None = None
     rids: list[str] = field(default_factory=list)
     added: int = 0  # choices handed to the engine so far (rids[:added])
+
+
+class SetupClock:
+    """A Generate call's set-up in the engine process, stage by stage (modalmesh_generate_setup_seconds): each
+    `lap` observes the time since the last one under its stage. Starts at the edge's send (`sent_at`, the
+    perf_counter clock every process of the service shares)."""
+
+    def __init__(self, histogram, sent_at: float):
+        self.histogram = histogram
+        self.mark = sent_at
+
+    def lap(self, stage: str | None) -> None:
+        """The time since the last lap is `stage`'s (None: nobody's, e.g. a stage this call did not have)."""
+        now = time.perf_counter()
+        if stage is not None:
+            self.histogram.labels(stage=stage).observe(max(now - self.mark, 0.0))
+        self.mark = now
 
 
 class LinkSink:
@@ -287,11 +305,13 @@ class EngineCore:
     async def _generate(self, call: _Call, message: GenerateCall) -> None:
         # The call's request id and trace context, as the edge's interceptor set them for the Generate call:
         # this task's log records and the encoders' calls carry them.
+        clock = SetupClock(self.metrics.generate_setup_seconds, message.sent_at)
+        clock.lap("link")
         tracing.request_id.set(tracing.request_id_from(message.metadata))
         with tracing.within(tracing.extract(message.metadata)):
             try:
                 request = pb.GenerateRequest.FromString(message.request)
-                await self._add(call, request, message.timeout)
+                await self._add(call, request, message.timeout, clock)
             except asyncio.CancelledError:  # the edge ended the call (client gone, deadline): nobody to tell
                 self._abort_added(call)
             except Exception as exc:  # noqa: BLE001 - the edge raises it again with its status
@@ -306,8 +326,10 @@ class EngineCore:
             self.engine.abort(rid)
         call.added = 0
 
-    async def _add(self, call: _Call, request: pb.GenerateRequest, timeout: float | None) -> None:
-        """Validate and tokenise `request`, resolve its items and add its choices to the engine."""
+    async def _add(self, call: _Call, request: pb.GenerateRequest, timeout: float | None,
+                   clock: SetupClock) -> None:
+        """Validate and tokenise `request`, resolve its items and add its choices to the engine; each stage
+        timed on `clock`."""
         cfg = self.model_config
         limits = self.config.limits
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size,
@@ -324,6 +346,7 @@ class EngineCore:
                                       f"before encoding){f' + max_tokens {params.max_tokens}' if params.max_tokens else ''}"
                                       f"; this model's limit is {limit} tokens (prompt + output)")
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        clock.lap("validate")
         # n choices are n sequences of the engine, each its own request; the siblings take the prompt's pages
         # from the prefix cache. With a seed, choice i draws with seed + i (vLLM's rule), so the whole answer
         # is reproducible.
@@ -342,10 +365,12 @@ class EngineCore:
                     skip = {i for i, end in plan.item_ends if end <= held}
                     log.debug("generate %s: %d of %d prompt pages cached; items %s not encoded", rid, held //
                               self.config.page_size, len(plan.keys), sorted(skip))
+            clock.lap("prefix" if digests else None)
             # The encoders' Encode spans are children of this one (their calls carry its traceparent).
             with tracing.span("llm.encode_items", attributes={"modalmesh.items": len(items),
                                                                "modalmesh.items_cached": len(skip)}):
                 embeddings = await self.fanout.resolve(items, timeout, skip=skip)  # each on self.device
+            clock.lap("encode" if len(skip) < len(items) else None)
             if digests:
                 embeddings = self._with_digests(embeddings, items, digests)
             grammar = None
@@ -366,6 +391,7 @@ class EngineCore:
                 if holds:
                     holds[i] = None  # the request's now: released when it ends
                 call.added = i + 1
+            clock.lap("admit")
             log.debug("generate %s: %d prompt tokens, max_tokens %s, n %d", rid, len(prompt.token_ids),
                       params.max_tokens or "-", params.n)
         finally:

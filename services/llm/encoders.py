@@ -19,6 +19,7 @@ device, a client's precomputed ones included.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
@@ -80,6 +81,9 @@ class EncoderPool:
             f"/{pb.ENCODER_SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString,
             response_deserializer=_parse_encode_response)
         self.receiver = EmbeddingReceiver(probe=probe, reader=reader, device=device, metrics=metrics)
+        # Each call's rpc and take, against the encoder's own stages: where a request's wait for its items goes.
+        self._stage_seconds = None if metrics is None else functools.partial(
+            metrics.encode_call_seconds.labels, modality=pb.Modality.Name(modality).lower())
 
     @property
     def probe(self) -> ShmProbe | None:
@@ -100,6 +104,7 @@ class EncoderPool:
                 break
             request = pb.EncodeRequest(items=[item])
             offered = self.receiver.offer(request, refused)
+            called = time.perf_counter()
             try:
                 # Not wait_for_ready: with every replica down (the channel in TRANSIENT_FAILURE) the call fails
                 # at once instead of holding the request to its deadline; while connecting it still waits.
@@ -131,6 +136,7 @@ class EncoderPool:
                                      f"{dtype_name(meta.dtype)}, not a float one")
             if path_of(meta) not in offered:
                 raise ModalmeshError(f"items[{index}]: encoder {self.target} answered by {path_of(meta)} unasked")
+            taking = time.perf_counter()
             try:
                 tensor = await self.receiver.take(meta, payloads[0], name=f"items[{index}].embedding")
             except InvalidArgument as exc:
@@ -140,6 +146,9 @@ class EncoderPool:
                 refused.add(exc.path)
                 attempt -= 1  # not the replica's fault
                 continue
+            if self._stage_seconds is not None:
+                self._stage_seconds(stage="rpc").observe(taking - called)
+                self._stage_seconds(stage="take").observe(time.perf_counter() - taking)
             return reply, tensor
         raise DeadlineExceeded(f"items[{index}]: no encoder replica answered before the deadline")
 

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
@@ -89,7 +90,8 @@ class EngineClient:
                   metadata: tuple[tuple[str, str], ...] | None) -> EdgeCall:
         call = EdgeCall(next(self._ids))
         self._calls[call.call_id] = call
-        self._writer.send(GenerateCall(call.call_id, request.SerializeToString(), timeout, tuple(metadata or ())))
+        self._writer.send(GenerateCall(call.call_id, request.SerializeToString(), timeout, tuple(metadata or ()),
+                                       time.perf_counter()))
         return call
 
     def end_call(self, call: EdgeCall, complete: bool) -> None:

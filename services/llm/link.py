@@ -35,6 +35,8 @@ class GenerateCall(NamedTuple):
     timeout: float | None  # what the caller's deadline left when the edge took the call
     metadata: tuple[tuple[str, str], ...]  # x-request-id and the Generate span's traceparent, for the engine's logs
     # and the encoders' calls
+    sent_at: float  # time.perf_counter() when the edge sent it (one clock for the service's processes): the
+    # engine process observes the link's share of a call's set-up from it
 
 
 class EndCall(NamedTuple):
