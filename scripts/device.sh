@@ -32,6 +32,7 @@
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
+#   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -465,6 +466,17 @@ for name in "$@"; do
             tail -30 "$OUT/placement-shared.log"
             python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/where-18-summary.txt" 2>&1
             tar czf "$OUT/where-18-prof.tgz" -C "$OUT" prof && rm -rf "$P" ;;
+        ab-18)  # issue 18: the kernel forms compiled before serving (CUDA tests), then image+text on one GPU by phase,
+            # this tree against the code before (.prev: git archive REV, carried), then the transfer split again
+            step tests-18 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                tests/test_llm_cuda.py -k "not tensor_parallel"
+            # Each run with a Triton cache of its own, as a fresh container starts: else the second run would load
+            # the first's compiled kernels from disk
+            step placement-now 200 env TRITON_CACHE_DIR="$(mktemp -d)" CUDA_VISIBLE_DEVICES=0 python3 \
+                bench/placement.py --layouts shared --requests "${REQUESTS:-512}"
+            step placement-prev 200 bash -c "cd .prev && TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=/tmp/site:\$PWD \
+                CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared --requests ${REQUESTS:-512}"
+            tail -22 "$OUT/placement-now.log"; tail -14 "$OUT/placement-prev.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac

@@ -37,9 +37,10 @@ def read(path: str) -> dict[str, list[tuple[list[str], int]]]:
                 continue
             frames = stack.split(";")
             thread = next((fr for fr in frames if fr.startswith("thread ")), "thread ?")
-            process = next((fr for fr in frames if fr.startswith("process ")), None)
-            if process is not None:  # --subprocesses: the same thread name in several processes stays apart
-                thread = f"{process.strip()} {thread}"
+            processes = [fr for fr in frames if fr.startswith("process ")]
+            if processes:  # --subprocesses: outermost first, so the last is the thread's own process; the same
+                # thread name in several processes stays apart
+                thread = f"{processes[-1].strip()[:90]} {thread}"
             frames = [fr for fr in frames if not fr.startswith(("thread ", "process "))]
             threads[thread].append(([short(fr) for fr in frames], int(count)))
     return threads

@@ -542,6 +542,44 @@ def test_triton_paged_mixed_steps_agree_with_naive(device, case_id):
     torch.testing.assert_close(out.float(), expected.float(), **TOL[dtype])
 
 
+def _compiled_forms(fn) -> int:
+    """How many launch forms (specialisations) of a Triton kernel this process has compiled."""
+    return sum(len(caches[0]) for caches in fn.device_caches.values())
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="Triton compiles launch forms on a GPU only")
+def test_warm_paged_compiles_every_form_the_steps_then_take():
+    """After `warm_paged`, eager steps of any mix of up to max_seqs sequences — decode rows, chunks over a
+    prefix, new prompts — and decode steps compile nothing more: a compile mid-serving held the engine thread
+    for most of a second (issue 18). The shape (20 heads over 4, head dim 96, pages of 32) is this test's
+    alone, so no other test has compiled its forms before."""
+    from modalmesh.attention import PagedMetadata, registry
+    from modalmesh.kernels import paged_prefill as prefill_module
+
+    backend = registry.probe("triton_paged").backend
+    heads, kv_heads, dim, page, max_seqs, pages = 20, 4, 96, 32, 24, 256
+    torch.manual_seed(0)
+    k_cache, v_cache = (torch.randn(pages, page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    kernels_ = (*backend._decode, prefill_module._kernel())
+    before = [_compiled_forms(fn) for fn in kernels_]
+    backend.warm_paged(torch.zeros(1, heads, dim, device="cuda", dtype=torch.bfloat16), k_cache, v_cache,
+                       causal=True, scale=dim ** -0.5, window=None, max_seqs=max_seqs)
+    warmed = [_compiled_forms(fn) for fn in kernels_]
+    assert all(w > b for w, b in zip(warmed, before)), (before, warmed)  # decode, its combine, prefill
+    with torch.inference_mode():
+        for n in range(1, max_seqs - 1):
+            query_lens = [1] * n + [40, 12]  # n decode rows, a chunk over a prefix, a new prompt
+            context_lens = [33 + 7 * i for i in range(n)] + [300, 12]
+            table = torch.randperm(pages, device="cuda", dtype=torch.int32)[:(n + 2) * 10].view(n + 2, 10)
+            q = torch.randn(sum(query_lens), heads, dim, device="cuda", dtype=torch.bfloat16)
+            for lens, ctx, rows in ((query_lens, context_lens, n + 2), (query_lens[:n], context_lens[:n], n)):
+                meta = PagedMetadata.build(lens, ctx, table[:rows], page)
+                backend.paged(q[:sum(lens)], k_cache, v_cache, meta, causal=True, scale=dim ** -0.5, window=None)
+    torch.cuda.synchronize()
+    assert [_compiled_forms(fn) for fn in kernels_] == warmed
+
+
 class _EagerReplay:
     """Stands in for a captured CUDA graph where none can be captured: replay re-runs the forward into
     the captured output, from the same static buffers."""

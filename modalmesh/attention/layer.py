@@ -129,6 +129,16 @@ class Attention(nn.Module):
             out = backend.paged(q, k_cache, v_cache, meta, **kw)
         return out.to(in_dtype)
 
+    def warm_paged(self, kv_cache: tuple[torch.Tensor, torch.Tensor], max_seqs: int) -> None:
+        """Compile ahead of serving what this layer's paged backend would compile in its first steps of up to
+        `max_seqs` sequences (the backend's `warm_paged`). Layers of the same shape share what it compiles."""
+        k_cache, v_cache = kv_cache
+        route = self.selector.route(self.selection, "paged", k_cache.dtype, k_cache.device, k_cache.shape[1], False)
+        q = torch.zeros((1, self.num_heads, self.head_dim), dtype=route.cast_dtype or k_cache.dtype,
+                        device=k_cache.device)
+        route.backend.warm_paged(q, k_cache, v_cache, causal=self.causal, scale=self.scale, window=self.window,
+                                 max_seqs=max_seqs)
+
     def _check(self, layout, q, k, v, meta, kv_cache) -> int:
         """Validate shapes against the layer (model bugs, so ValueError); return the token count."""
         token_dims = 2 if layout == "dense" else 1

@@ -30,7 +30,10 @@ from modalmesh.config import ModelConfig
 from modalmesh.kv.page_keys import ItemRows, extend_keys
 from services.llm.inputs import expand_known_items
 
-_THREAD_BYTES = 1 << 20  # hash bigger requests in a worker thread (hashlib lets go of the GIL): not on the loop
+# Requests bigger than this are hashed in a worker thread (hashlib lets go of the GIL), not on the engine process's
+# event loop: with 1 MiB, a 448^2 image's ~600 KB was serialised and hashed on the loop, 8.8 % of its samples under
+# image + text load (py-spy, H100, issue 18), while the calls behind it waited.
+_THREAD_BYTES = 64 << 10
 
 
 def item_digest(item: pb.MultimodalItem) -> bytes:

@@ -181,6 +181,7 @@ class ModelRunner:
         self.channel = StepChannel(self.device, config.world_size)
         self.graphs, self.mixed_graphs = self._capture_graphs()
         self._warm_up()
+        self._compile_attention()
         self.reports = self._gather_reports()
         self._stopped = False
 
@@ -230,6 +231,24 @@ class ModelRunner:
         finally:
             alloc.free("warm-up")
         log.info("warm-up prefill of %d tokens: %.2f s", tokens, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _compile_attention(self) -> None:
+        """Every launch form of the attention kernels that steps of up to max_num_seqs sequences take, compiled
+        before serving (`Attention.warm_paged`): a JIT kernel compiles on its first launch of a form, and a
+        compile mid-serving holds the engine thread for most of a second."""
+        if self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        shapes = set()  # the layers of one shape share their kernels' launch forms: one call per shape
+        for layer, cache in zip((m for m in self.model.modules() if isinstance(m, Attention)), self.kv_caches):
+            shape = (layer.num_heads, layer.head_dim, layer.v_head_dim, layer.causal, layer.scale, layer.window,
+                     layer.backend_name)
+            if shape not in shapes:
+                shapes.add(shape)
+                layer.warm_paged(cache, self.config.max_num_seqs)
+        torch.cuda.synchronize(self.device)
+        log.info("attention kernels compiled for %d layer shape(s): %.2f s", len(shapes), time.perf_counter() - start)
 
     def _gather_reports(self) -> list[RankReport]:
         choices = tuple((s.component, s.backend, s.reason, tuple(s.rejected.items()))

@@ -42,6 +42,12 @@ class AttentionBackend(ABC):
     def paged(self, q, k_cache, v_cache, meta, *, causal: bool, scale: float, window) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} has no paged-KV path")
 
+    def warm_paged(self, q, k_cache, v_cache, *, causal: bool, scale: float, window, max_seqs: int) -> None:
+        """Before serving: compile whatever `paged` would compile on first use for a layer of this shape, in any
+        step of up to `max_seqs` sequences (a JIT kernel compiles once per launch form, and a compile in a
+        step stalls every request). `q` (1, H, D) in the compute dtype; the caches are the layer's. Reads the
+        caches, writes nothing of them. Default: nothing to compile."""
+
 
 def repeat_kv(x: torch.Tensor, num_heads: int, head_dim_axis: int = -2) -> torch.Tensor:
     """Repeat kv heads for kernels without native GQA (kv head i serves q heads i*g..(i+1)*g-1)."""

@@ -239,6 +239,32 @@ class TritonPaged(AttentionBackend):
             paged_prefill(q, k_cache, v_cache, meta.block_table, plan.blocks, scale=scale, window=window, out=out)
         return out
 
+    def warm_paged(self, q, k_cache, v_cache, *, causal, scale, window, max_seqs):
+        """Every launch form the Triton kernels take in steps of up to `max_seqs` sequences, compiled now: the
+        decode kernel per split count (`decode_splits` of the row count) with the per-sequence and the
+        per-token context, their combine, and the paged prefill kernel. Triton compiles each form on its first
+        launch, and a compile holds the engine thread (and its GIL) for most of a second: on an H100, image +
+        text load spent 15 % of the engine thread's time compiling decode forms (py-spy, issue 18)."""
+        if q.device.type != "cuda" or not causal:
+            return
+        device, kv_heads = q.device, k_cache.shape[2]
+        forms: dict[int, int] = {}  # split count -> the fewest rows that take it
+        for rows in range(1, max_seqs + 1):
+            forms.setdefault(decode_splits(rows, kv_heads, device), rows)
+        for splits, rows in forms.items():
+            # Row r reads one token of page 0: enough for the kernels to run whole; their outputs are dropped.
+            queries = q.expand(rows, *q.shape[1:]).contiguous()
+            table = torch.zeros((rows, 1), dtype=torch.int32, device=device)
+            ones = torch.ones(rows, dtype=torch.int32, device=device)
+            paged_decode(queries, k_cache, v_cache, table, ones, scale=scale, window=window, kernel=self._decode,
+                         splits=splits)
+            paged_decode(queries, k_cache, v_cache, table, ones, scale=scale, window=window, kernel=self._decode,
+                         token_seq=torch.arange(rows, dtype=torch.int32, device=device), splits=splits)
+        group = q.shape[1] // kv_heads
+        table = torch.zeros((1, 1), dtype=torch.int32, device=device)
+        blocks = plan_blocks([1], [1], [0, 1], group=group, config=config_for(q.shape[-1], group), device=device)
+        paged_prefill(q.contiguous(), k_cache, v_cache, table, blocks, scale=scale, window=window)
+
     @staticmethod
     def _new_prompts(delegate, q, k_cache, v_cache, slots, varlen: VarlenMetadata, scale):
         """Causal attention of sequences that are all new tokens, over their k/v just written to the pool."""
