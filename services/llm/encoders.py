@@ -36,7 +36,7 @@ from modalmesh.rpc.codec import dtype_name
 from modalmesh.rpc.security import Security
 from modalmesh.rpc.shm import ShmProbe, ShmReader
 from modalmesh.rpc.transfer import AskAgain, EmbeddingReceiver, path_of
-from services.llm.embedding import FLOAT_WIRE, Embedding, from_client
+from services.llm.embedding import FLOAT_WIRE, Embedding, from_client, known_finite
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class EncoderFanout:
             for i, item in enumerate(items)]
         todo = [(i, item) for i, item in enumerate(items) if out[i] is None and i not in skip]
         if not todo:
-            return out
+            return await known_finite(out)
         for i, item in todo:
             if POOL_MODALITY.get(item.modality) not in self.pools:
                 flag = FLAGS.get(item.modality, "an encoder flag")
@@ -199,7 +199,7 @@ class EncoderFanout:
         for (i, item), (reply, tensor) in zip(todo, replies):
             self._check(reply, item.modality, i)
             out[i] = Embedding.of(reply.embeddings[0], tensor, item.modality)
-        return out
+        return await known_finite(out)
 
     def _check(self, reply: pb.EncodeResponse, modality: int, index: int) -> None:
         name = pb.Modality.Name(modality).lower()
