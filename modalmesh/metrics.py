@@ -144,7 +144,8 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "LLM: a Generate call's time before its choices reach the engine (where "
                "modalmesh_time_to_first_token_seconds starts), by stage: link (the edge handing the call to the "
                "engine process), validate (sampling parameters, tokenising, limits), prefix (item digests and "
-               "the prefix cache's hold), encode (the items' Encode calls and reads), admit (the structured-output grammar, splicing the "
+               "the prefix cache's hold), encode (the items' Encode calls and reads, or a client's embeddings "
+               "decoded, and their finiteness checked), admit (the structured-output grammar, splicing the "
                "embeddings in and adding the choices to the engine).", ("stage",), _LATENCY),
     MetricSpec("modalmesh_decoded_images_total", "counter", "Images decoded by the VAE."),
     MetricSpec("modalmesh_decoded_pixels_total", "counter", "Pixels decoded by the VAE."),
