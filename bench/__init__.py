@@ -24,6 +24,32 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))] if values else float("nan")
 
 
+def samples(text: str) -> list:
+    """Every sample of a Prometheus exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def scrape(metrics_port: int) -> list:
+    """Every sample a service exports now (one /metrics read)."""
+    import urllib.request
+
+    return samples(urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode())
+
+
+def total(samples_: list, name: str, **labels) -> float:
+    """The sum of the samples named `name` whose labels include `labels`."""
+    return sum(s.value for s in samples_ if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def mean_ms_between(before: list, after: list, histogram: str, **labels) -> float:
+    """Mean ms of what `histogram` (samples whose labels include `labels`) observed between two readings."""
+    count = total(after, histogram + "_count", **labels) - total(before, histogram + "_count", **labels)
+    seconds = total(after, histogram + "_sum", **labels) - total(before, histogram + "_sum", **labels)
+    return seconds / count * 1e3 if count else float("nan")
+
+
 def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
     """Median milliseconds per call: CUDA events on a GPU, the wall clock elsewhere."""
     import statistics

@@ -25,15 +25,13 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench import percentile  # noqa: E402
+from bench import percentile, scrape, total  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
@@ -111,19 +109,8 @@ async def load(target: str, images: list[bytes], concurrency: int, output_len: i
                 ttft_mean_ms=statistics.mean(ttfts) * 1e3)
 
 
-def scrape(proc: ServiceProcess) -> list:
-    """Every sample a service exports now (one /metrics read)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).read().decode()
-    return [s for f in text_string_to_metric_families(body) for s in f.samples]
-
-
-def total(samples: list, name: str, **labels) -> float:
-    """The sum of the samples named `name` whose labels include `labels`."""
-    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def metric(proc: ServiceProcess, name: str, **labels) -> float:
-    return total(scrape(proc), name, **labels)
+    return total(scrape(proc.metrics_port), name, **labels)
 
 
 def encode_count(proc: ServiceProcess) -> float:
@@ -156,7 +143,7 @@ PHASES = (
 
 def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
     """Each phase's (sum, count) over its services' replicas, from one scrape of each."""
-    samples = {svc: [scrape(p) for p in replicas] for svc, replicas in procs.items()}
+    samples = {svc: [scrape(p.metrics_port) for p in replicas] for svc, replicas in procs.items()}
     return {col: (sum(total(s, name + "_sum", **labels) for s in samples[svc]),
                   sum(total(s, name + "_count", **labels) for s in samples[svc]))
             for col, svc, name, labels in PHASES}

@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,6 +42,9 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from prometheus_client import generate_latest  # noqa: E402
+
+from bench import mean_ms_between, samples, scrape  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.metrics import Metrics  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
@@ -90,30 +92,9 @@ def smooth_png(side: int) -> bytes:
     return buf.getvalue()
 
 
-def scrape_sums(metrics_port: int | None, names: tuple[str, ...]) -> dict[tuple, float]:
-    """(sample name, labels...) -> value for the encoder's samples named `names` (empty without an exporter)."""
-    if metrics_port is None:
-        return {}
-    from prometheus_client.parser import text_string_to_metric_families
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return {(s.name, *sorted(s.labels.items())): s.value for f in text_string_to_metric_families(body)
-            for s in f.samples if s.name.startswith(names)}
-
-
-def mean_ms(before: dict, after: dict, name: str, **labels) -> float:
-    """Mean ms of histogram `name` (samples whose labels include `labels`) between two reads."""
-    def pick(reads, suffix):
-        return sum(v for (n, *kv), v in reads.items() if n == name + suffix and set(labels.items()) <= set(kv))
-    count = pick(after, "_count") - pick(before, "_count")
-    return (pick(after, "_sum") - pick(before, "_sum")) / count * 1e3 if count else float("nan")
-
-
-ENCODER_TIMES = ("modalmesh_request_duration_seconds", "modalmesh_encode_stage_seconds")
-
-
-def registry_sums(metrics: Metrics) -> dict[tuple, float]:
-    return {(s.name, *sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples}
+def encoder_samples(metrics_port: int | None) -> list:
+    """The encoder's samples now (none without its exporter)."""
+    return [] if metrics_port is None else scrape(metrics_port)
 
 
 async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str,
@@ -137,11 +118,14 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str,
     want = {"stub": "grpc", "bytes": "grpc", "shm": "shared_memory", "shm_gpu": "shared_memory"}.get(mode, mode)
     channel = aio_channel(target, max_message_bytes=256 << 20)
     stub = pb.encoder_pb2_grpc.EncoderServiceStub(channel)
+    def readings():  # the pool's own histograms (this process) and the encoder's
+        return samples(generate_latest(metrics.registry).decode()), encoder_samples(encoder_metrics_port)
+
     try:
         times, nbytes = [], 0
         for i in range(repeat + _WARMUP):  # warm-up calls: the channel's windows, the slab, the mapping
             if i == _WARMUP:
-                ours0, theirs0 = registry_sums(metrics), scrape_sums(encoder_metrics_port, ENCODER_TIMES)
+                ours0, theirs0 = readings()
             start = time.perf_counter()
             if mode == "stub":
                 reply = await stub.Encode(pb.EncodeRequest(items=[item]), timeout=600)
@@ -153,11 +137,11 @@ async def time_encode(target: str, item: pb.EncodeItem, repeat: int, mode: str,
                 raise RuntimeError(f"{mode}: the answer took the {path_of(reply.embeddings[0].embedding)} path: "
                                    "is /dev/shm shared?")
             nbytes = tensor.numel() * tensor.element_size()
-        ours, theirs = registry_sums(metrics), scrape_sums(encoder_metrics_port, ENCODER_TIMES)
-        split = {"rpc": mean_ms(ours0, ours, "modalmesh_encode_call_seconds", stage="rpc"),
-                 "take": mean_ms(ours0, ours, "modalmesh_encode_call_seconds", stage="take"),
-                 "handler": mean_ms(theirs0, theirs, "modalmesh_request_duration_seconds", rpc="Encode"),
-                 **{stage: mean_ms(theirs0, theirs, "modalmesh_encode_stage_seconds", stage=stage)
+        ours, theirs = readings()
+        split = {"rpc": mean_ms_between(ours0, ours, "modalmesh_encode_call_seconds", stage="rpc"),
+                 "take": mean_ms_between(ours0, ours, "modalmesh_encode_call_seconds", stage="take"),
+                 "handler": mean_ms_between(theirs0, theirs, "modalmesh_request_duration_seconds", rpc="Encode"),
+                 **{stage: mean_ms_between(theirs0, theirs, "modalmesh_encode_stage_seconds", stage=stage)
                     for stage in ("prepare", "respond")}}
         return statistics.median(times[_WARMUP:]), nbytes, split
     finally:

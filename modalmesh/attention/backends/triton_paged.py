@@ -263,7 +263,7 @@ class TritonPaged(AttentionBackend):
         group = q.shape[1] // kv_heads
         table = torch.zeros((1, 1), dtype=torch.int32, device=device)
         blocks = plan_blocks([1], [1], [0, 1], group=group, config=config_for(q.shape[-1], group), device=device)
-        paged_prefill(q.contiguous(), k_cache, v_cache, table, blocks, scale=scale, window=window)
+        paged_prefill(q, k_cache, v_cache, table, blocks, scale=scale, window=window)
 
     @staticmethod
     def _new_prompts(delegate, q, k_cache, v_cache, slots, varlen: VarlenMetadata, scale):
