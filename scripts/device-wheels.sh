@@ -6,6 +6,8 @@
 #   bash scripts/device-wheels.sh               # base + structured (xgrammar, jsonschema: the samplers' tests), ~39 MiB
 #   bash scripts/device-wheels.sh nvimgcodec    # base + nvImageCodec (issue 18's GPU JPEG decode steps), ~59 MiB
 #   bash scripts/device-wheels.sh video         # base + PyAV, less diffusers (the video-cuda step), ~60 MiB
+#   bash scripts/device-wheels.sh fa3           # base + the forward-only FlashAttention-3 wheel (the towers' and
+#                                               # the attention bench's fa3 rows; einops, packaging are on the image)
 # then carry .whl with scripts/device.sh. The image has neither xgrammar nor jsonschema (found 2026-12-05:
 # tests/test_structured.py failed to import there).
 set -euo pipefail
@@ -23,13 +25,15 @@ STRUCTURED=(
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
 )
 NVIMGCODEC=(nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43)
+FA3=(fa3-fwd==0.0.3)  # stable-ABI build (aoti_torch_*): loads under the image's torch 2.11 though built for 2.10
 case ${1:-structured} in
     structured) PACKAGES+=("${STRUCTURED[@]}") ;;
     nvimgcodec) PACKAGES+=("${NVIMGCODEC[@]}") ;;
+    fa3) PACKAGES+=("${FA3[@]}") ;;
     video)  # PyAV's wheel is 34 MiB: diffusers (the VAE's reference) makes room
         for i in "${!PACKAGES[@]}"; do [[ ${PACKAGES[$i]} == diffusers==* ]] && unset "PACKAGES[$i]"; done
         PACKAGES+=(av==18.1.0) ;;
-    *) echo "usage: $0 [structured|nvimgcodec|video]"; exit 2 ;;
+    *) echo "usage: $0 [structured|nvimgcodec|video|fa3]"; exit 2 ;;
 esac
 mkdir -p .whl
 rm -f .whl/*.whl  # one set at a time: the two extras together pass what a call carries

@@ -148,6 +148,36 @@ def test_forward_only_fa3_wheel_is_narrowed(monkeypatch):
     assert registry.spec("fa3").targets[0].dtypes == {torch.bfloat16, torch.float16}  # the registration is unchanged
 
 
+def test_forward_only_fa3_wheel_finds_its_config_when_called(monkeypatch):
+    """fa3-fwd 0.0.3's interface imports ``flash_attn_config`` in every forward, but the wheel ships it as
+    ``fa3_fwd_config``: each call raised ModuleNotFoundError until the probe aliased it."""
+    interface = fake_fa3("fa3_fwd_interface", paged=False)
+    dense = interface.flash_attn_func
+
+    def flash_attn_func(q, k, v, **kw):
+        from flash_attn_config import CONFIG  # as fa3_fwd_interface.round_up_headdim does
+
+        assert not CONFIG["build_flags"]["FLASHATTENTION_DISABLE_HDIM64"]
+        return dense(q, k, v, **kw)
+
+    interface.flash_attn_func = flash_attn_func
+    config = types.ModuleType("fa3_fwd_config")
+    config.CONFIG = {"build_flags": {"FLASHATTENTION_DISABLE_HDIM64": False}}
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", interface)
+    monkeypatch.setitem(sys.modules, "fa3_fwd_config", config)
+    monkeypatch.delitem(sys.modules, "flash_attn_config", raising=False)
+    try:
+        probe = registry.probe("fa3")
+        assert probe.ok, probe.reason
+        q = torch.randn(1, 5, 2, 64)
+        out = probe.backend.dense(q, q, q, causal=False, scale=0.125, window=None)
+        torch.testing.assert_close(out, reference_attention(q, q, q, causal=False, scale=0.125, window=None),
+                                   **FP32)
+        assert sys.modules["flash_attn_config"] is config
+    finally:
+        sys.modules.pop("flash_attn_config", None)
+
+
 # ---- broken kernel packages ------------------------------------------------------------------------
 @pytest.mark.parametrize("name, module, body, reason", [
     ("fa2", "flash_attn", "raise OSError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')",

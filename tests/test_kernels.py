@@ -1,8 +1,9 @@
 """The fused Triton kernels (modalmesh.kernels) equal the unfused PyTorch path they replace.
 
 Each kernel is checked through the layer that calls it, against the same layer
-built without it: RMSNorm (with and without the residual add), GatedMLP's
-SiLU * up, RoPE + the paged KV write (the rotated q, and every slot of the
+built without it: RMSNorm and LayerNorm (with and without the residual add),
+GatedMLP's SiLU * up, MLP's quick GELU (and, on CUDA, its tanh GELU in the GEMM
+epilogue), RoPE + the paged KV write (the rotated q, and every slot of the
 pool afterwards), and GroupNorm (+ SiLU) in NCHW and channels-last, alone and
 through the VAE decoder. float32 must agree to float32 rounding; bfloat16 to one
 rounding of the activation dtype.
@@ -20,7 +21,7 @@ import torch
 
 from modalmesh import kernels
 from modalmesh.attention.paged import store_kv
-from modalmesh.layers import GatedMLP, GroupNorm, RMSNorm
+from modalmesh.layers import MLP, GatedMLP, GroupNorm, LayerNorm, RMSNorm
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.testing.precision import ieee_fp32_convolutions
 
@@ -65,6 +66,68 @@ def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_res
         want, got = want[0], got[0]
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 80, 1152])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual, bias):
+    ref, fused = _pair(lambda f: LayerNorm(hidden, 1e-6, bias=bias, fused=f), device, dtype)
+    x = torch.randn(7, hidden, device=device, dtype=dtype) * 3 + 1.5  # a mean the centring must remove
+    residual = torch.randn_like(x) if with_residual else None
+    with torch.inference_mode():
+        want, got = ref(x, residual), fused(x, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], **_exact(device, dtype))  # the sum, rounded the same way
+        want, got = want[0], got[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_layer_norm_kernel_takes_only_rows_it_can_read_whole():
+    from modalmesh.kernels import layer_norm
+
+    x = torch.randn(4, 6, 32)
+    assert layer_norm.fusable(x, None) and layer_norm.fusable(x, torch.randn(4, 6, 32))
+    assert not layer_norm.fusable(x.transpose(1, 2), None)  # columns strided
+    assert not layer_norm.fusable(x, torch.randn(1, 6, 32))  # a broadcast residual is not a stream
+    assert not layer_norm.fusable(torch.randn(2, 16384), None)  # past one program's registers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quick_gelu_kernel_equals_the_pytorch_path(device, dtype):
+    ref, fused = _pair(lambda f: MLP(40, 1100, "quick_gelu", fused=f, tp_rank=0, tp_size=1), device, dtype)
+    x = torch.randn(9, 40, device=device, dtype=dtype)
+    with torch.inference_mode():
+        want = ref(x)
+        torch.testing.assert_close(fused(x), want, atol=TOL[dtype]["atol"] * float(want.abs().max()), rtol=0)
+        # the activation alone, with the PyTorch path's three roundings (sigmoids differing in float32 ulps)
+        from modalmesh.kernels.activation import quick_gelu
+        h = ref.fc1(x) * 4
+        torch.testing.assert_close(quick_gelu(h), h * torch.sigmoid(1.702 * h), **TOL[dtype])
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the tanh GELU epilogue is cuBLASLt's (on the CPU the op is erf)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_tanh_gelu_in_the_gemm_epilogue_equals_the_pytorch_path(dtype, monkeypatch):
+    from modalmesh.layers import mlp
+
+    calls = []
+    monkeypatch.setattr(mlp, "linear_gelu_tanh", lambda *a, _f=mlp.linear_gelu_tanh: calls.append(1) or _f(*a))
+    ref, fused = _pair(lambda f: MLP(1152, 4304, "gelu_pytorch_tanh", fused=f, tp_rank=0, tp_size=1), "cuda", dtype)
+    x = torch.randn(3, 729, 1152, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        h = ref.fc1(x)
+        want_h = torch.nn.functional.gelu(h.float(), approximate="tanh")  # before the activation's rounding
+        got_h = mlp.linear_gelu_tanh(fused.fc1, x)
+        want, got = ref(x), fused(x)
+    assert len(calls) == 2  # the forward took the epilogue
+    # the epilogue rounds once (GEMM + bias + GELU in float32); PyTorch rounds the GEMM's output first
+    torch.testing.assert_close(got_h.float(), want_h, atol=TOL[dtype]["atol"] * float(want_h.abs().max()), rtol=0)
+    torch.testing.assert_close(got, want, atol=TOL[dtype]["atol"] * float(want.abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -394,33 +457,77 @@ def test_vision_rotary_kernel_equals_apply_rotary(device, dtype, heads, dim):
     torch.testing.assert_close(got_k2, got_k, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_vision_tower_with_fused_kernels_equals_the_unfused_tower(device, family, tmp_path, monkeypatch):
-    from modalmesh.kernels import activation, norm, rotary
-    from modalmesh.testing import tiny
-    from services.vision_encoder.model import build_encoder_model
+def _count_kernel_calls(monkeypatch) -> dict:
+    from modalmesh.kernels import activation, layer_norm, norm, rotary
 
     calls = {}
-    for module, name in ((norm, "rms_norm"), (activation, "silu_and_mul"), (rotary, "rotate_qk")):
+    for module, name in ((norm, "rms_norm"), (layer_norm, "layer_norm"), (activation, "silu_and_mul"),
+                         (activation, "quick_gelu"), (rotary, "rotate_qk")):
         def counted(*args, _fn=getattr(module, name), _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kw)
         monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "siglip"])
+def test_vision_tower_with_fused_kernels_equals_the_unfused_tower(device, family, tmp_path, monkeypatch):
+    from modalmesh.testing import tiny
+    from services.vision_encoder.model import build_encoder_model
+
+    calls = _count_kernel_calls(monkeypatch)
     path = tiny.ensure(family, tmp_path)
     towers = [build_encoder_model(path, device=device, dtype=torch.float32, options={"fused_kernels": f}).tower
               for f in (False, True)]
     towers[1].load_state_dict(towers[0].state_dict())
-    grids = [(1, 4, 6), (2, 4, 4)]
-    rows = sum(t * h * w for t, h, w in grids)
     torch.manual_seed(4)
-    pixels = torch.randn(rows, towers[0].patch_dim, device=device)
+    if family == "siglip":
+        size = towers[0].image_size
+        pixels = torch.randn(3, towers[0].in_channels, size, size, device=device)
+        forward = [lambda t=t: t(pixels) for t in towers]
+    else:
+        grids = [(1, 4, 6), (2, 4, 4)]
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), towers[0].patch_dim, device=device)
+        forward = [lambda t=t: t(pixels, grids) for t in towers]
     with torch.inference_mode():
-        want = towers[0](pixels, grids)
+        want = forward[0]()
         assert not calls
-        got = towers[1](pixels, grids)
-    expected = {"rotate_qk"} | ({"rms_norm", "silu_and_mul"} if family == "qwen2_5_vl" else set())
-    assert set(calls) == expected, calls  # the fused path did run
+        got = forward[1]()
+    layers = towers[0].cfg.num_layers
+    expected = {  # every residual add rides a norm: 2 a layer, the last one the final norm's
+        "qwen2_vl": {"rotate_qk": layers, "layer_norm": 2 * layers + 1, "quick_gelu": layers},
+        "qwen2_5_vl": {"rotate_qk": layers, "rms_norm": 2 * layers + 1, "silu_and_mul": layers},
+        "siglip": {"layer_norm": 2 * layers + 1},  # its tanh GELU is the GEMM epilogue's, on CUDA
+    }[family]
+    assert calls == expected, calls  # the fused path did run
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["whisper", "qwen2_audio"])
+def test_audio_tower_with_fused_kernels_equals_the_unfused_tower(device, family, tmp_path, monkeypatch):
+    from modalmesh.testing import tiny
+    from services.audio_encoder.model import build_encoder_model
+
+    calls = _count_kernel_calls(monkeypatch)
+    path = tiny.ensure(family, tmp_path)
+    models = [build_encoder_model(path, device=device, dtype=torch.float32,
+                                  options={"fused_kernels": f, "warmup": False}) for f in (False, True)]
+    models[1].module.load_state_dict(models[0].module.state_dict())
+    dims = models[0].dims
+    torch.manual_seed(5)
+    mel = torch.randn(2, dims.n_mels, dims.window_frames, device=device)
+    if family == "whisper":
+        forward = [lambda m=m: m.module(mel) for m in models]
+    else:  # packed windows, pooled by 2 after the layers: the stream is summed before the pooling
+        lengths = [dims.max_source_positions, dims.max_source_positions // 2]
+        forward = [lambda m=m: m.module.audio_tower(mel, lengths, pool=2) for m in models]
+    with torch.inference_mode():
+        want = forward[0]()
+        assert not calls
+        got = forward[1]()
+    assert calls == {"layer_norm": 2 * dims.layers + 1}, calls
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 

@@ -13,10 +13,10 @@ from modalmesh.layers.linear import (
     RowParallelLinear,
 )
 from modalmesh.layers.mlp import MLP, GatedMLP, get_activation
-from modalmesh.layers.norm import GroupNorm, LayerNorm, RMSNorm
+from modalmesh.layers.norm import GroupNorm, LayerNorm, RMSNorm, residual_norm
 
 __all__ = [
     "ColumnParallelLinear", "GatedMLP", "GroupNorm", "LayerNorm", "LinearBase", "MLP", "MergedColumnParallelLinear",
     "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RowParallelLinear",
-    "VocabParallelEmbedding", "get_activation",
+    "VocabParallelEmbedding", "get_activation", "residual_norm",
 ]

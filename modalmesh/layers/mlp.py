@@ -68,15 +68,34 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def linear_gelu_tanh(layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(layer(x)) as one cuBLASLt GEMM with a bias + GELU epilogue (CUDA: `epilogue_fusable`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch._addmm_activation(layer.bias, rows, layer.weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def epilogue_fusable(layer: ColumnParallelLinear, x: torch.Tensor) -> bool:
+    # On CPU _addmm_activation's GELU is the erf form, so the epilogue is the tanh GELU on CUDA only.
+    return (x.is_cuda and layer.bias is not None and not (layer.gather_output and layer.tp_size > 1)
+            and x.dtype == layer.weight.dtype)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "gelu", bias: bool = True, *,
-                 names: tuple[str, str] = ("fc1", "fc2"), **tp):
+                 names: tuple[str, str] = ("fc1", "fc2"), fused: bool = False, **tp):
         super().__init__()
         self._names = names
         setattr(self, names[0], ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp))
         setattr(self, names[1], RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp))
         self.act = get_activation(hidden_act)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, down = (getattr(self, n) for n in self._names)
-        return down(self.act(up(x)))
+        if self.fused and self.act is _gelu_tanh and epilogue_fusable(up, x):
+            return down(linear_gelu_tanh(up, x))
+        h = up(x)
+        if self.fused and self.act is _quick_gelu and kernels.usable(h) and activation_kernels.quick_gelu_fusable(h):
+            return down(activation_kernels.quick_gelu(h))
+        return down(self.act(h))

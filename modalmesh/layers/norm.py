@@ -5,6 +5,8 @@ normalised activations cast back to the input dtype before the weight scales
 them. ``forward(x, residual)`` fuses the residual add that precedes every
 pre-norm in a decoder layer and returns the new residual as well. Built with
 ``fused=True``, it runs as one Triton kernel on CUDA (`modalmesh.kernels.norm`).
+LayerNorm has the same ``forward(x, residual)`` for the pre-LN towers, and with
+``fused=True`` the same one kernel (`modalmesh.kernels.layer_norm`).
 
 GroupNorm is nn.GroupNorm (same parameters, so checkpoints load by the same names)
 with the SiLU that follows it in a VAE's resnet blocks folded in (``silu=True``);
@@ -21,6 +23,7 @@ from torch import nn
 
 from modalmesh import kernels
 from modalmesh.kernels import group_norm as group_norm_kernels
+from modalmesh.kernels import layer_norm as layer_norm_kernels
 from modalmesh.kernels import norm as norm_kernels
 from modalmesh.weights.param import default_weight_loader, set_weight_loader
 
@@ -55,10 +58,11 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None, fused: bool = False):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         set_weight_loader(self.weight, default_weight_loader)
         if bias:
@@ -68,13 +72,25 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused and kernels.usable(x) and layer_norm_kernels.fusable(x, residual):
+            return layer_norm_kernels.layer_norm(x, self.weight, self.bias, self.eps, residual)
         if residual is not None:
             x = x + residual
             return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps), x
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}" + (", fused" if self.fused else "")
+
+
+def residual_norm(norm: RMSNorm | LayerNorm, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's step on the residual stream: (norm(x + residual), x + residual), where `x` is the
+    last sub-layer's output, or (norm(x), x) at the stream's start (`residual` None). Carrying the stream
+    this way puts every residual add inside the next norm's kernel."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class GroupNorm(nn.GroupNorm):

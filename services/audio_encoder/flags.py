@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preprocess-device", default="auto", choices=PREPROCESS_DEVICES,
                         help="where resampling and log-mel run: the CPU pool (exact to HF's feature extractor), "
                              "the encoder's device, or auto (the device on CUDA, else the CPU)")
+    parser.add_argument("--no-fused-kernels", action="store_true",
+                        help="PyTorch's residual add + LayerNorm on CUDA too (no Triton kernel)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -90,6 +90,7 @@ class AudioOptions:
     warmup: bool = True
     cuda_graphs: bool = True  # Whisper on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
     max_batch_tokens: int = MAX_BATCH_TOKENS  # the batcher's budget: graphs for the batches it can form
+    fused_kernels: bool = True  # on CUDA: residual add + LayerNorm as one Triton kernel (modalmesh.kernels)
 
     def preprocess_on_device(self, device: torch.device) -> bool:
         if self.preprocess_device == "auto":
@@ -100,7 +101,7 @@ class AudioOptions:
     def from_dict(cls, options: dict | None) -> AudioOptions:
         options = dict(options or {})
         unknown = set(options) - {"max_audio_seconds", "whisper_rows", "preprocess_device", "warmup", "cuda_graphs",
-                            "max_batch_tokens"}
+                            "max_batch_tokens", "fused_kernels"}
         if unknown:
             raise ConfigError(f"unknown audio encoder options: {', '.join(sorted(unknown))}")
         out = cls(**{k: v for k, v in options.items() if v is not None})
@@ -274,7 +275,8 @@ class AudioEncoderModel(EncoderModel):
         return {"tower": type(self.module).__name__, "rows": rows, "n_mels": str(f.n_mels),
                 "sampling_rate": str(f.sampling_rate), "window_seconds": str(f.chunk_length),
                 "max_audio_seconds": f"{self.options.max_audio_seconds:g}", "resampler": self.resampler.signature(),
-                "preprocess": self.preprocess, "cuda_graphs": "on" if self.graphs is not None else "off"}
+                "preprocess": self.preprocess, "cuda_graphs": "on" if self.graphs is not None else "off",
+                "fused_kernels": "on" if self.module.fused_kernels else "off"}
 
     def warmup(self) -> None:
         """Silent 1 s clips through prepare and encode (kernels, backend smoke tests, allocator); on the
@@ -312,7 +314,8 @@ def build_encoder_model(model_dir, *, device: torch.device | str = "cpu", dtype:
     cls = pick(checkpoint, ARCHITECTURES, what="audio tower")
     cfg = audio_config(model_dir, checkpoint)
     dims = cfg.dims
-    module, report = build_and_load(cls, cfg, model_dir, device=device, dtype=dtype, dummy=dummy, metrics=metrics)
+    module, report = build_and_load(cls, cfg, model_dir, device=device, dtype=dtype, dummy=dummy, metrics=metrics,
+                                    fused_kernels=opts.fused_kernels)
     features = FeatureConfig.from_dir(model_dir, dims.n_mels)
     model = AudioEncoderModel(module, features, device=device, dtype=dtype, options=opts, load_report=report)
     if opts.warmup:

@@ -30,7 +30,8 @@ class AudioEncoderService(EncoderService):
     def model_options(cls, args: argparse.Namespace) -> dict:
         return {"max_audio_seconds": args.max_audio_seconds, "whisper_rows": args.whisper_rows,
                 "preprocess_device": args.preprocess_device, "warmup": args.warmup,
-                "cuda_graphs": not args.enforce_eager, "max_batch_tokens": args.max_batch_tokens}
+                "cuda_graphs": not args.enforce_eager, "max_batch_tokens": args.max_batch_tokens,
+                "fused_kernels": not args.no_fused_kernels}
 
     def build_model(self) -> AudioEncoderModel:
         return build_encoder_model(

@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-video-seconds", type=float, default=DEFAULT_MAX_VIDEO_SECONDS,
                         help="video: longest video accepted, by its header, refused before any frame is decoded")
     parser.add_argument("--no-fused-kernels", action="store_true",
-                        help="Qwen2-VL / Qwen2.5-VL towers: PyTorch's rotary, RMSNorm and SiLU*up on CUDA too "
-                             "(no Triton kernels)")
+                        help="PyTorch's residual add + norm, rotary, SiLU*up and GELU on CUDA too (no Triton "
+                             "kernels, no GEMM epilogue)")
     parser.add_argument("--image-decode", default="auto", choices=IMAGE_DECODERS,
                         help="who decodes JPEGs on the device preprocessing path: nvimgcodec (nvJPEG on the "
                              "encoder's GPU, the optional extra modalmesh[nvimgcodec]; within a stated tolerance "

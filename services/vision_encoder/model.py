@@ -73,7 +73,8 @@ DEFAULT_OPTIONS = {
     "preprocess_device": "auto",  # "auto" (device on CUDA) | "cpu" (exact PIL path) | "device"
     "image_decode": "auto",  # "auto" (nvImageCodec when it loads, on the device path) | "pil" | "nvimgcodec"
     "cuda_graphs": True,  # SigLIP on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
-    "fused_kernels": True,  # Qwen2-VL / Qwen2.5-VL on CUDA: rotary, RMSNorm, SiLU*up as Triton kernels
+    "fused_kernels": True,  # on CUDA: add + LayerNorm / RMSNorm, rotary, SiLU*up, quick GELU as Triton kernels,
+    # SigLIP's tanh GELU in its GEMM's epilogue
     # The batcher's limits: graphs are captured for the batch sizes it can form, no larger.
     "max_batch_items": encoder_flags.MAX_BATCH_ITEMS,
     "max_batch_tokens": vision_flags.MAX_BATCH_TOKENS,
@@ -110,8 +111,9 @@ class VisionEncoderModel(EncoderModel):
         cfg = vision_config(model_dir)
         cls = pick(cfg, ARCHITECTURES, what="vision tower")
         self.architecture = cfg.architectures[0] if cfg.architectures else cfg.model_type
-        kwargs = ({"output": self.options["siglip_output"]} if cls is SiglipVisionTower
-                  else {"fused_kernels": bool(self.options["fused_kernels"])})
+        kwargs = {"fused_kernels": bool(self.options["fused_kernels"])}
+        if cls is SiglipVisionTower:
+            kwargs["output"] = self.options["siglip_output"]
         self.tower, self.load_report = build_and_load(cls, cfg, model_dir, device=self.device, dtype=dtype,
                                                       dummy=dummy, metrics=metrics, **kwargs)
         self.native = cls.processor_kind == "qwen2_vl"
@@ -414,9 +416,9 @@ class VisionEncoderModel(EncoderModel):
         p = self.processor
         facts = {"tower": type(self.tower).__name__, "max_image_pixels": str(self.options["max_image_pixels"]),
                  "preprocess": self.preprocess, "image_decode": self.image_decode,
-                 "cuda_graphs": "on" if self.graphs is not None else "off"}
+                 "cuda_graphs": "on" if self.graphs is not None else "off",
+                 "fused_kernels": "on" if self.tower.fused_kernels else "off"}
         if self.native:
-            facts["fused_kernels"] = "on" if self.tower.fused_kernels else "off"
             facts.update(patch_size=str(p.patch_size), merge_size=str(p.merge_size), min_pixels=str(p.min_pixels),
                          max_pixels=str(p.max_pixels), max_request_pixels=str(self.max_request_pixels))
             v, sampling = self.video_processor, self.video_sampling

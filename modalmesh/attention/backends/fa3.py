@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 
 import torch
 
@@ -22,12 +23,28 @@ from modalmesh.attention.capability import PAGED, WINDOW
 MODULES = ("flash_attn_interface", "fa3_fwd_interface")
 
 
+def _config_alias(module_name: str) -> None:
+    """fa3-fwd 0.0.3 ships its build config as ``fa3_fwd_config``, but the interface it renamed still
+    imports ``flash_attn_config`` inside every forward call (round_up_headdim): without this alias each
+    call raised ModuleNotFoundError, so the selector's smoke test dropped fa3 for the next backend."""
+    if module_name != "fa3_fwd_interface" or "flash_attn_config" in sys.modules:
+        return
+    for name in ("flash_attn_config", "fa3_fwd_config"):
+        try:
+            config = importlib.import_module(name)
+        except ImportError:
+            continue
+        sys.modules["flash_attn_config"] = config
+        return
+
+
 class FlashAttn3(AttentionBackend):
     def probe(self) -> None:
         errors = []
         for module_name in MODULES:
             try:
                 module = importlib.import_module(module_name)
+                _config_alias(module_name)
                 self._dense, self._varlen = module.flash_attn_func, module.flash_attn_varlen_func
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure means "try the next module"
                 errors.append(f"{module_name}: {type(exc).__name__}: {str(exc).strip()[:200]}")

@@ -58,10 +58,11 @@ class Qwen2AudioTower(nn.Module, CheckpointModel):
     stacked_params = QKV
     pool = 2
 
-    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None, fused_kernels: bool = True):
         super().__init__()
         self.dims = cfg.dims
-        self.audio_tower = WhisperEncoder(cfg.dims, layout="varlen", dtype=dtype)
+        self.fused_kernels = fused_kernels  # on CUDA: residual add + LayerNorm as one Triton kernel
+        self.audio_tower = WhisperEncoder(cfg.dims, layout="varlen", dtype=dtype, fused=fused_kernels)
         self.multi_modal_projector = Qwen2AudioProjector(cfg.dims.d_model, cfg.text_hidden_size)
 
     @property

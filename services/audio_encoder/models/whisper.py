@@ -24,7 +24,7 @@ from torch import nn
 
 from modalmesh.attention import Attention, VarlenMetadata, attention_metadata
 from modalmesh.config import ModelConfig
-from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear
+from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear, residual_norm
 from modalmesh.models import CheckpointModel
 from modalmesh.weights import StackedMapping, WeightsMapper
 from modalmesh.weights.param import set_weight_loader
@@ -157,20 +157,22 @@ class WhisperAttention(nn.Module):
 
 
 class WhisperEncoderLayer(nn.Module):
-    def __init__(self, dims: AudioEncoderDims, *, layout: str, dtype: torch.dtype | None):
+    def __init__(self, dims: AudioEncoderDims, *, layout: str, dtype: torch.dtype | None, fused: bool = False):
         super().__init__()
         self.self_attn = WhisperAttention(dims, layout=layout, dtype=dtype)
-        self.self_attn_layer_norm = LayerNorm(dims.d_model, LAYER_NORM_EPS)
-        self.mlp = MLP(dims.d_model, dims.ffn, dims.act, bias=True, names=("fc1", "fc2"))
-        self.final_layer_norm = LayerNorm(dims.d_model, LAYER_NORM_EPS)
+        self.self_attn_layer_norm = LayerNorm(dims.d_model, LAYER_NORM_EPS, fused=fused)
+        self.mlp = MLP(dims.d_model, dims.ffn, dims.act, bias=True, names=("fc1", "fc2"), fused=fused)
+        self.final_layer_norm = LayerNorm(dims.d_model, LAYER_NORM_EPS, fused=fused)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.self_attn_layer_norm(h))
-        h = h + self.mlp(self.final_layer_norm(h))
-        if h.dtype == torch.float16:  # as the reference: keep fp16 activations finite
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last sub-layer's output, residual stream) -> (this MLP's output, stream): `residual_norm`."""
+        normed, residual = residual_norm(self.self_attn_layer_norm, h, residual)
+        normed, residual = self.final_layer_norm(self.self_attn(normed), residual)
+        h = self.mlp(normed)
+        if h.dtype == torch.float16:  # as the reference: the stream clamped after each layer, to stay finite
             limit = torch.finfo(h.dtype).max - 1000
-            h = h.clamp(-limit, limit)
-        return h
+            return (h + residual).clamp(-limit, limit), None
+        return h, residual
 
 
 class WhisperEncoder(nn.Module):
@@ -181,7 +183,8 @@ class WhisperEncoder(nn.Module):
     first `lengths[b]` positions, packed (Qwen2-Audio, whose tower masks padded keys).
     """
 
-    def __init__(self, dims: AudioEncoderDims, *, layout: str = "dense", dtype: torch.dtype | None = None):
+    def __init__(self, dims: AudioEncoderDims, *, layout: str = "dense", dtype: torch.dtype | None = None,
+                 fused: bool = False):
         super().__init__()
         self.dims = dims
         self.layout = layout
@@ -190,8 +193,8 @@ class WhisperEncoder(nn.Module):
         self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
         self.embed_positions = nn.Embedding(dims.max_source_positions, d)
         self.layers = nn.ModuleList(
-            [WhisperEncoderLayer(dims, layout=layout, dtype=dtype) for _ in range(dims.layers)])
-        self.layer_norm = LayerNorm(d, LAYER_NORM_EPS)
+            [WhisperEncoderLayer(dims, layout=layout, dtype=dtype, fused=fused) for _ in range(dims.layers)])
+        self.layer_norm = LayerNorm(d, LAYER_NORM_EPS, fused=fused)
         self.requires_grad_(False)
 
     def stem(self, input_features: torch.Tensor) -> torch.Tensor:
@@ -218,9 +221,7 @@ class WhisperEncoder(nn.Module):
         if lengths is None and index is None:
             if self.layout != "dense" or h.shape[1] != self.dims.max_source_positions:
                 raise ValueError(f"dense Whisper input must be (B, {self.dims.n_mels}, {self.dims.window_frames})")
-            for layer in self.layers:
-                h = layer(h)
-            return self.layer_norm(h)
+            return residual_norm(self.layer_norm, *self._layers(h))[0]
         if index is None:
             built = PackedIndex.build(lengths, h.shape[1], pool)
             index = built.with_tensors([t.to(h.device) for t in built.tensors()])
@@ -229,11 +230,18 @@ class WhisperEncoder(nn.Module):
         h = h.flatten(0, 1).index_select(0, index.keep)  # (T, d), window by window
         meta = VarlenMetadata(index.cu_seqlens, max(index.lengths), index.lengths)
         with attention_metadata(meta):
-            for layer in self.layers:
-                h = layer(h)
-        if pool > 1:
-            h = sum(h[index.first + i] for i in range(pool)) / pool
-        return self.layer_norm(h)
+            h, residual = self._layers(h)
+        if pool == 1:
+            return residual_norm(self.layer_norm, h, residual)[0]
+        h = h if residual is None else h + residual
+        return self.layer_norm(sum(h[index.first + i] for i in range(pool)) / pool)
+
+    def _layers(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over the residual stream: (the last MLP's output, the stream before its add)."""
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual)
+        return h, residual
 
 
 class WhisperAudioEncoder(nn.Module, CheckpointModel):
@@ -245,10 +253,11 @@ class WhisperAudioEncoder(nn.Module, CheckpointModel):
     weights_mapper = WeightsMapper(prefix={"model.encoder.": "encoder."}) | LAYER_RENAMES
     stacked_params = QKV
 
-    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: AudioTowerConfig, *, dtype: torch.dtype | None = None, fused_kernels: bool = True):
         super().__init__()
         self.dims = cfg.dims
-        self.encoder = WhisperEncoder(cfg.dims, layout="dense", dtype=dtype)
+        self.fused_kernels = fused_kernels  # on CUDA: residual add + LayerNorm as one Triton kernel
+        self.encoder = WhisperEncoder(cfg.dims, layout="dense", dtype=dtype, fused=fused_kernels)
 
     @property
     def output_hidden_size(self) -> int:

@@ -20,11 +20,10 @@ from modalmesh.attention import VarlenMetadata
 from modalmesh.config import ModelConfig
 from modalmesh.layers import GatedMLP, RMSNorm
 from services.vision_encoder.models.qwen2_vl import (
-    NORM_EPS,
     Grid,
     PatchMerger,
+    Qwen2VisionBlock,
     Qwen2VisionTransformer,
-    VisionAttention,
     batch_positions,
     frame_lengths,
 )
@@ -59,17 +58,12 @@ def batch_windows(grids: Sequence[Grid], merge: int, window: int) -> tuple[np.nd
     return np.concatenate(orders), lengths
 
 
-class Qwen2_5VisionBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, intermediate: int, act: str, *, dtype=None, fused: bool = False):
-        super().__init__()
-        self.norm1 = RMSNorm(dim, NORM_EPS, fused=fused)
-        self.norm2 = RMSNorm(dim, NORM_EPS, fused=fused)
-        self.attn = VisionAttention(dim, num_heads, dtype=dtype, fused=fused)
-        self.mlp = GatedMLP(dim, intermediate, act, bias=True, fused=fused)
+class Qwen2_5VisionBlock(Qwen2VisionBlock):
+    norm = RMSNorm
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.attn(self.norm1(x), cos, sin, meta)
-        return x + self.mlp(self.norm2(x))
+    @staticmethod
+    def make_mlp(dim: int, hidden: int, act: str, fused: bool) -> nn.Module:
+        return GatedMLP(dim, hidden, act, bias=True, fused=fused)
 
 
 class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
@@ -95,7 +89,7 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
                                   dtype=dtype, fused=self.fused_kernels)
 
     def _merger(self) -> nn.Module:
-        return PatchMerger(self.out_hidden_size, self.dim, self.merge, norm=RMSNorm)
+        return PatchMerger(self.out_hidden_size, self.dim, self.merge, norm=RMSNorm, fused=self.fused_kernels)
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         device = pixel_values.device
@@ -111,6 +105,7 @@ class Qwen2_5VisionTransformer(Qwen2VisionTransformer):
         cos, sin = (by_window(c) for c in self.rotary(batch_positions(grids, self.merge, device)))
         full = VarlenMetadata.from_seqlens(frame_lengths(grids), device)
         windowed = VarlenMetadata.from_seqlens(window_lengths, device)
+        residual = None
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in self.full_attention_layers else windowed)
-        return self.merger(x)[inverse]
+            x, residual = block(x, residual, cos, sin, full if i in self.full_attention_layers else windowed)
+        return self.merger(x, residual)[inverse]

@@ -19,7 +19,14 @@ from torch import nn
 from modalmesh import distributed
 from modalmesh.attention import Attention, VarlenMetadata
 from modalmesh.config import ModelConfig
-from modalmesh.layers import MLP, ColumnParallelLinear, LayerNorm, QKVParallelLinear, RowParallelLinear
+from modalmesh.layers import (
+    MLP,
+    ColumnParallelLinear,
+    LayerNorm,
+    QKVParallelLinear,
+    RowParallelLinear,
+    residual_norm,
+)
 from modalmesh.layers.linear import divide
 from modalmesh.layers.mlp import get_activation
 from modalmesh.models import CheckpointModel
@@ -78,31 +85,41 @@ class VisionAttention(nn.Module):
 
 
 class Qwen2VisionBlock(nn.Module):
+    norm = LayerNorm
+
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str, *, dtype=None, fused: bool = False):
         super().__init__()
-        self.norm1 = LayerNorm(dim, NORM_EPS)
-        self.norm2 = LayerNorm(dim, NORM_EPS)
+        self.norm1 = self.norm(dim, NORM_EPS, fused=fused)
+        self.norm2 = self.norm(dim, NORM_EPS, fused=fused)
         self.attn = VisionAttention(dim, num_heads, dtype=dtype, fused=fused)
-        self.mlp = MLP(dim, mlp_hidden, act, bias=True, names=("fc1", "fc2"))
+        self.mlp = self.make_mlp(dim, mlp_hidden, act, fused)
 
-    def forward(self, x, cos, sin, meta):
-        x = x + self.attn(self.norm1(x), cos, sin, meta)
-        return x + self.mlp(self.norm2(x))
+    @staticmethod
+    def make_mlp(dim: int, hidden: int, act: str, fused: bool) -> nn.Module:
+        return MLP(dim, hidden, act, bias=True, names=("fc1", "fc2"), fused=fused)
+
+    def forward(self, x, residual, cos, sin, meta):
+        """(last sub-layer's output, residual stream) -> (this MLP's output, stream): `residual_norm`."""
+        normed, residual = residual_norm(self.norm1, x, residual)
+        normed, residual = self.norm2(self.attn(normed, cos, sin, meta), residual)
+        return self.mlp(normed), residual
 
 
 class PatchMerger(nn.Module):
     """norm -> concatenate each merge x merge block -> Linear, GELU, Linear into the LLM's width."""
 
-    def __init__(self, out_dim: int, context_dim: int, merge: int, norm: type[nn.Module] = LayerNorm):
+    def __init__(self, out_dim: int, context_dim: int, merge: int, norm: type[nn.Module] = LayerNorm, *,
+                 fused: bool = False):
         super().__init__()
         self.hidden = context_dim * merge * merge
-        self.ln_q = norm(context_dim, NORM_EPS)
+        self.ln_q = norm(context_dim, NORM_EPS, fused=fused)
         self.fc1 = ColumnParallelLinear(self.hidden, self.hidden, bias=True)
         self.fc2 = RowParallelLinear(self.hidden, out_dim, bias=True)
         self.act = get_activation("gelu")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(self.ln_q(x).view(-1, self.hidden))))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Of the blocks' last output and residual stream (`residual_norm`)."""
+        return self.fc2(self.act(self.fc1(residual_norm(self.ln_q, x, residual)[0].view(-1, self.hidden))))
 
 
 class Qwen2VisionTransformer(nn.Module, CheckpointModel):
@@ -122,7 +139,7 @@ class Qwen2VisionTransformer(nn.Module, CheckpointModel):
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, fused_kernels: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.fused_kernels = fused_kernels  # Triton kernels on CUDA (modalmesh.kernels): rotary, and norms / MLP
+        self.fused_kernels = fused_kernels  # on CUDA (modalmesh.kernels): rotary, add + norm, the MLP's activation
         self.dim = cfg.hidden_size  # embed_dim
         self.num_heads = cfg.num_heads
         self.head_dim = self.dim // self.num_heads
@@ -148,7 +165,7 @@ class Qwen2VisionTransformer(nn.Module, CheckpointModel):
                                 fused=self.fused_kernels)
 
     def _merger(self) -> nn.Module:
-        return PatchMerger(self.out_hidden_size, self.dim, self.merge)
+        return PatchMerger(self.out_hidden_size, self.dim, self.merge, fused=self.fused_kernels)
 
     @property
     def patch_dim(self) -> int:
@@ -163,6 +180,7 @@ class Qwen2VisionTransformer(nn.Module, CheckpointModel):
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         cos, sin = self.rotary(batch_positions(grids, self.merge, device))
         meta = VarlenMetadata.from_seqlens(frame_lengths(grids), device)
+        residual = None
         for block in self.blocks:
-            x = block(x, cos, sin, meta)
-        return self.merger(x)
+            x, residual = block(x, residual, cos, sin, meta)
+        return self.merger(x, residual)

@@ -18,7 +18,7 @@ from modalmesh import distributed
 from modalmesh.attention import Attention
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
-from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear
+from modalmesh.layers import MLP, LayerNorm, QKVParallelLinear, RowParallelLinear, residual_norm
 from modalmesh.layers.linear import divide
 from modalmesh.models import CheckpointModel
 from modalmesh.weights import QKV_GATE_UP, WeightsMapper
@@ -53,29 +53,33 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipEncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False):
         super().__init__()
         dim = cfg.hidden_size
-        self.layer_norm1 = LayerNorm(dim, cfg.norm_eps)
+        self.layer_norm1 = LayerNorm(dim, cfg.norm_eps, fused=fused)
         self.self_attn = SiglipAttention(dim, cfg.num_heads, dtype=dtype, seqlen_hint=seqlen_hint)
-        self.layer_norm2 = LayerNorm(dim, cfg.norm_eps)
-        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True)
+        self.layer_norm2 = LayerNorm(dim, cfg.norm_eps, fused=fused)
+        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True, fused=fused)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last sub-layer's output, residual stream) -> (this MLP's output, stream): `residual_norm`."""
+        normed, residual = residual_norm(self.layer_norm1, x, residual)
+        normed, residual = self.layer_norm2(self.self_attn(normed), residual)
+        return self.mlp(normed), residual
 
 
 class SiglipEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg, dtype=dtype, seqlen_hint=seqlen_hint)
+        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg, dtype=dtype, seqlen_hint=seqlen_hint, fused=fused)
                                      for _ in range(cfg.num_layers)])
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor, final_norm: LayerNorm) -> torch.Tensor:
+        """final_norm(the last layer's residual stream): the stream's last add rides that norm."""
+        residual = None
         for layer in self.layers:
-            x = layer(x)
-        return x
+            x, residual = layer(x, residual)
+        return residual_norm(final_norm, x, residual)[0]
 
 
 class PositionEmbedding(nn.Module):
@@ -104,14 +108,14 @@ class SiglipEmbeddings(nn.Module):
 class SiglipPoolingHead(nn.Module):
     """Multi-head attention pooling: a learned probe attends over the patches, then LayerNorm + MLP."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False):
         super().__init__()
         dim = cfg.hidden_size
         self.probe = nn.Parameter(torch.empty(1, 1, dim), requires_grad=False)
         set_weight_loader(self.probe, default_weight_loader)
         self.attention = SiglipAttention(dim, cfg.num_heads, dtype=dtype, seqlen_hint=seqlen_hint)
-        self.layernorm = LayerNorm(dim, cfg.norm_eps)
-        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True)
+        self.layernorm = LayerNorm(dim, cfg.norm_eps, fused=fused)
+        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True, fused=fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attention(x, query=self.probe.expand(x.shape[0], -1, -1))
@@ -133,26 +137,29 @@ class SiglipVisionTower(nn.Module, CheckpointModel):
     ) | ATTENTION_NAMES
     stacked_params = QKV_GATE_UP
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, output: str = "patch"):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, output: str = "patch",
+                 fused_kernels: bool = True):
         super().__init__()
         if output not in OUTPUTS:
             raise ConfigError(f"SigLIP output {output!r}: expected one of {', '.join(OUTPUTS)}")
         self.cfg = cfg
         self.output = output
+        # On CUDA: residual add + LayerNorm as one Triton kernel, the tanh GELU in the fc1 GEMM's epilogue
+        self.fused_kernels = fused_kernels
         self.image_size = int(cfg.get("image_size", 224))
         self.patch_size = int(cfg.get("patch_size", 16))
         self.in_channels = int(cfg.get("num_channels", 3))
         self.num_patches = (self.image_size // self.patch_size) ** 2
         self.hidden_size = self.out_hidden_size = cfg.hidden_size
         self.embeddings = SiglipEmbeddings(cfg, self.in_channels, self.patch_size, self.num_patches)
-        self.encoder = SiglipEncoder(cfg, dtype=dtype, seqlen_hint=self.num_patches)
-        self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_eps)
+        self.encoder = SiglipEncoder(cfg, dtype=dtype, seqlen_hint=self.num_patches, fused=fused_kernels)
+        self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_eps, fused=fused_kernels)
         has_head = bool(cfg.get("vision_use_head", True))
         if output != "patch" and not has_head:
             raise ConfigError(f"SigLIP output {output!r} needs the pooling head; this checkpoint has "
                               "vision_use_head = false")
         if output != "patch":
-            self.head = SiglipPoolingHead(cfg, dtype=dtype, seqlen_hint=self.num_patches)
+            self.head = SiglipPoolingHead(cfg, dtype=dtype, seqlen_hint=self.num_patches, fused=fused_kernels)
         elif has_head:  # patch rows only: the head's tensors are not needed, by rule
             self.weights_mapper = type(self).weights_mapper | WeightsMapper(skip_prefixes=("head.",))
 
@@ -163,7 +170,7 @@ class SiglipVisionTower(nn.Module, CheckpointModel):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, rows_per_image, hidden)."""
         x = self.embeddings(pixel_values.to(self.embeddings.patch_embedding.weight.dtype))
-        x = self.post_layernorm(self.encoder(x))
+        x = self.encoder(x, self.post_layernorm)
         if self.output == "patch":
             return x
         pooled = self.head(x)
