@@ -87,6 +87,7 @@ def shapes(quick: bool) -> list[Shape]:
         Shape("dense hd128 s4096 causal", "llm", "dense", 16, 128, batch=4, seq=4096, causal=True),
         Shape("dense hd64 s1024 non-causal", "audio_encoder", "dense", 16, 64, batch=16, seq=1024),
         Shape("dense hd64 s1500 whisper", "audio_encoder", "dense", 20, 64, batch=16, seq=1500),
+        Shape("dense hd72 s729 siglip", "vision_encoder", "dense", 16, 72, batch=32, seq=729),
         Shape("dense fp32 hd512 s4096 vae", "vae", "dense", 1, 512, batch=1, seq=4096, dtype=torch.float32),
         Shape("dense fp32 hd512 s16384 vae", "vae", "dense", 1, 512, batch=1, seq=16384, dtype=torch.float32),
         Shape("dense bf16 hd512 s4096 vae", "vae", "dense", 1, 512, batch=4, seq=4096),

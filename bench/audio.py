@@ -152,7 +152,8 @@ def preprocessing(paths: dict[str, AudioEncoderModel], device: torch.device, bat
     return out
 
 
-def profiled_models(root: Path, ours, hf, device: torch.device, dtype: torch.dtype, spec: str | None) -> dict:
+def profiled_models(root: Path, ours, hf, device: torch.device, dtype: torch.dtype, spec: str | None,
+                    options: dict) -> dict:
     """Ours as selected, ours with each other dense backend that runs here (same weights), and HF."""
     from modalmesh import attention
     from modalmesh.errors import ConfigError
@@ -165,7 +166,7 @@ def profiled_models(root: Path, ours, hf, device: torch.device, dtype: torch.dty
             continue
         try:
             attention.configure(f"audio_encoder={backend}", device=device)
-            alt = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options={"warmup": False})
+            alt = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options=options)
         except (ConfigError, ValueError, RuntimeError) as exc:
             print(f"profile: ours with {backend}: not run here ({str(exc).splitlines()[0][:120]})")
             continue
@@ -194,6 +195,8 @@ def main(argv=None) -> int:
                         help="wall vs busy ms, kernel families and top kernels, ours (each dense backend) vs HF")
     parser.add_argument("--profile-batch", type=int, nargs="+", default=[1], help="batch sizes --profile runs")
     parser.add_argument("--peer-compile", default="default", metavar="MODES", help=PEER_COMPILE_HELP)
+    parser.add_argument("--no-fused-kernels", action="store_true",
+                        help="ours without the add+LayerNorm kernel and the GELU epilogue (the A/B of issue 19)")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
 
     attention.configure(args.attention_backend, device=device)
     root = make_checkpoint(shape)
-    ours = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options={"warmup": False})
+    options = {"warmup": False, "fused_kernels": not args.no_fused_kernels}
+    ours = build_encoder_model(root, device=device, dtype=dtype, dummy=True, options=options)
     selection = ours.module.encoder.layers[0].self_attn.attn.selection
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"Whisper-large-v3 encoder shape{' (quick)' if args.quick else ''}: d_model {shape['d_model']}, "
@@ -290,7 +294,7 @@ def main(argv=None) -> int:
     results["encode_batch"] = big
     results["preprocessing"] = preprocessing(paths, device, big, max(1, args.iters // 4))
     if args.profile:
-        models = profiled_models(root, ours, hf, device, dtype, args.attention_backend)
+        models = profiled_models(root, ours, hf, device, dtype, args.attention_backend, options)
         results["profiles"] = {}
         for batch in args.profile_batch:
             x = mels[:batch]

@@ -269,7 +269,8 @@ def main(argv=None) -> int:
                                                           "(e.g. sdpa,flash_attention_2)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--no-fused-kernels", action="store_true",
-                        help="the Qwen towers without their Triton kernels (rotary, RMSNorm, SiLU*up): the A/B")
+                        help="the towers without their fused kernels (add+norm, rotary, GELU / SiLU*up, the GELU "
+                             "epilogue): the A/B")
     parser.add_argument("--peer-compile", default="default", metavar="MODES",
                         help=PEER_COMPILE_HELP + " (the first --hf-attn model)")
     parser.add_argument("--profile", action="store_true",
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
         cases = [Case(c.name, c.family, min(c.batch, 2), 56) for c in cases]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# vision towers on {gpu}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
-          f"median of {args.iters}{' (quick shapes)' if args.quick else ''}, Qwen towers' Triton kernels "
+          f"median of {args.iters}{' (quick shapes)' if args.quick else ''}, the towers' fused kernels "
           f"{'off' if args.no_fused_kernels else 'on (on CUDA)'}")
     if args.compile_modes:
         print(f"# HF {args.hf_attn[0]} under torch.compile, modes {', '.join(args.compile_modes)} (x HFc: ours' "

@@ -31,6 +31,7 @@
 #       channels-last), and vae-autotune-19, siglip-autotune-19 (max-autotune, a call each) if the table needs them
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
+#   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
@@ -477,6 +478,35 @@ for name in "$@"; do
             step placement-prev 200 bash -c "cd .prev && TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=/tmp/site:\$PWD \
                 CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared --requests ${REQUESTS:-512}"
             tail -22 "$OUT/placement-now.log"; tail -14 "$OUT/placement-prev.log" ;;
+        towers-19)  # issue 19, 2026-12-06: fa3 through its config alias, the add+LayerNorm and quick-GELU kernels, tanh
+            # GELU in the GEMM epilogue, the towers' residual stream. The CUDA tests, attention at the towers' shapes,
+            # then each tower as built (HF eager beside) against --no-fused-kernels and against the backend next in
+            # rank. No compiled peer (final-19 has it). Limits sum to 560 s; estimates 5, 90, 45, 4 x 60, 2 x 60 s
+            step fa3-probe 30 python3 -c 'from modalmesh.attention import registry
+p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name if p.ok else p.reason)'
+            cat "$OUT/fa3-probe.log"
+            step towers-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                tests/test_attention_backends.py tests/test_vision_models.py tests/test_audio_models.py \
+                -k "layer_norm or quick_gelu or tower or epilogue or cuda"
+            step attention-towers 50 python3 bench/attention.py --only "s729 siglip"
+            step attention-whisper 30 python3 bench/attention.py --only "s1500 whisper"
+            step attention-vision 30 python3 bench/attention.py --only "8x1024 vision"
+            step vision-ab 80 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
+                --peer-compile none
+            step vision-unfused 60 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 \
+                --iters 10 --no-hf --peer-compile none --no-fused-kernels
+            step vision-cudnn 40 python3 bench/vision.py --only siglip-b32 --iters 10 --no-hf --peer-compile none \
+                --attention-backend vision_encoder=sdpa_cudnn
+            step vision-varlen 50 python3 bench/vision.py --only qwen2vl-8x448,qwen25vl-8x448 --iters 10 --no-hf \
+                --peer-compile none --attention-backend vision_encoder=torch_varlen
+            step audio-ab 70 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none
+            step audio-unfused 60 python3 bench/audio.py --batch 1 16 --iters 10 --no-hf --peer-compile none \
+                --no-fused-kernels
+            grep -h -E "pick|fa3|sdpa_cudnn" "$OUT"/attention-{towers,whisper,vision}.log | head -30
+            for f in vision-ab vision-unfused vision-cudnn vision-varlen; do echo "-- $f"
+                grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
+            for f in audio-ab audio-unfused; do echo "-- $f"
+                grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
