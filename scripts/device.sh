@@ -481,7 +481,7 @@ for name in "$@"; do
         towers-19)  # issue 19, 2026-12-06: fa3 through its config alias, the add+LayerNorm and quick-GELU kernels, tanh
             # GELU in the GEMM epilogue, the towers' residual stream. The CUDA tests, attention at the towers' shapes,
             # then each tower as built (HF eager beside) against --no-fused-kernels and against the backend next in
-            # rank. No compiled peer (final-19 has it). Limits sum to 560 s; estimates 5, 90, 45, 4 x 60, 2 x 60 s
+            # rank. No compiled peer (final-19 has it). Limits sum to 560 s; estimates 5, 90, 45, 80, 4 x 50, 60, 50 s
             step fa3-probe 30 python3 -c 'from modalmesh.attention import registry
 p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name if p.ok else p.reason)'
             cat "$OUT/fa3-probe.log"
@@ -489,9 +489,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 tests/test_attention_backends.py tests/test_vision_models.py tests/test_audio_models.py \
                 -k "layer_norm or quick_gelu or tower or epilogue or cuda"
             step attention-towers 50 python3 bench/attention.py --only "s729 siglip"
-            step attention-whisper 30 python3 bench/attention.py --only "s1500 whisper"
-            step attention-vision 30 python3 bench/attention.py --only "8x1024 vision"
-            step vision-ab 80 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
+            step vision-ab 100 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
                 --peer-compile none
             step vision-unfused 60 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 \
                 --iters 10 --no-hf --peer-compile none --no-fused-kernels
@@ -502,7 +500,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step audio-ab 70 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none
             step audio-unfused 60 python3 bench/audio.py --batch 1 16 --iters 10 --no-hf --peer-compile none \
                 --no-fused-kernels
-            grep -h -E "pick|fa3|sdpa_cudnn" "$OUT"/attention-{towers,whisper,vision}.log | head -30
+            grep -h -E "pick|fa3|sdpa_cudnn" "$OUT"/attention-towers.log | head -30
             for f in vision-ab vision-unfused vision-cudnn vision-varlen; do echo "-- $f"
                 grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
             for f in audio-ab audio-unfused; do echo "-- $f"
