@@ -32,6 +32,7 @@
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
+#   bash scripts/device.sh profile-towers-19 final-19   # issue 19: the test fixes, the profiles, then the table
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
@@ -505,6 +506,14 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
             for f in audio-ab audio-unfused; do echo "-- $f"
                 grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
+        profile-towers-19)  # issue 19, after towers-19: its two CUDA test fixes, then where the towers' time goes now
+            step towers-tests2 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
+            step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
+                --no-hf --peer-compile none --profile
+            step audio-profile 80 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none --profile \
+                --profile-batch 1 16
+            awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
+                "$OUT"/{vision,audio}-profile.log ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
