@@ -57,15 +57,18 @@ def _pair(make, device, dtype):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual):
     ref, fused = _pair(lambda f: RMSNorm(hidden, 1e-6, fused=f), device, dtype)
-    x = torch.randn(7, hidden, device=device, dtype=dtype) * 3
+    _assert_norms_agree(ref, fused, torch.randn(7, hidden, device=device, dtype=dtype) * 3, with_residual)
+
+
+def _assert_norms_agree(ref, fused, x: torch.Tensor, with_residual: bool) -> None:
     residual = torch.randn_like(x) if with_residual else None
     with torch.inference_mode():
         want, got = ref(x, residual), fused(x, residual)
     if with_residual:
-        torch.testing.assert_close(got[1], want[1], **_exact(device, dtype))  # the sum, rounded the same way
+        torch.testing.assert_close(got[1], want[1], **_exact(x.device.type, x.dtype))  # the sum, rounded alike
         want, got = want[0], got[0]
     assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got, want, **TOL[x.dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,14 +79,7 @@ def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_res
 def test_layer_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual, bias):
     ref, fused = _pair(lambda f: LayerNorm(hidden, 1e-6, bias=bias, fused=f), device, dtype)
     x = torch.randn(7, hidden, device=device, dtype=dtype) * 3 + 1.5  # a mean the centring must remove
-    residual = torch.randn_like(x) if with_residual else None
-    with torch.inference_mode():
-        want, got = ref(x, residual), fused(x, residual)
-    if with_residual:
-        torch.testing.assert_close(got[1], want[1], **_exact(device, dtype))  # the sum, rounded the same way
-        want, got = want[0], got[0]
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, **TOL[dtype])
+    _assert_norms_agree(ref, fused, x, with_residual)
 
 
 def test_layer_norm_kernel_takes_only_rows_it_can_read_whole():

@@ -16,8 +16,7 @@ import functools
 
 import torch
 
-from modalmesh.kernels import block
-from modalmesh.kernels.norm import _rows
+from modalmesh.kernels.norm import _rows, launch_row_norm
 
 
 @functools.cache
@@ -56,19 +55,5 @@ def fusable(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm of `x` (..., H); with `residual`, of x + residual, returning (normed, x + residual)."""
-    shape = x.shape
-    rows = _rows(x)
-    hidden = shape[-1]
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
-    res_rows = _rows(residual) if residual is not None else rows
-    res_out = torch.empty_like(rows) if residual is not None else out
-    if rows.shape[0]:
-        _kernel()[(rows.shape[0],)](
-            rows, res_rows, weight, bias if bias is not None else weight, out, res_out, rows.stride(0),
-            res_rows.stride(0), out.stride(0), res_out.stride(0), hidden, float(eps),
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK=block(hidden),
-            num_warps=8 if hidden >= 2048 else 4)
-    if residual is None:
-        return out.view(shape)
-    return out.view(shape), res_out.view(shape)
+    return launch_row_norm(_kernel(), x, (weight, bias if bias is not None else weight), eps, residual,
+                           HAS_BIAS=bias is not None)

@@ -60,18 +60,24 @@ def fusable(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of `x` (..., H); with `residual`, of x + residual, returning (normed, x + residual)."""
+    return launch_row_norm(_kernel(), x, (weight,), eps, residual)
+
+
+def launch_row_norm(kernel, x: torch.Tensor, params: tuple[torch.Tensor, ...], eps: float,
+                    residual: torch.Tensor | None, **constexprs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One program per row of `x` for an add+norm kernel whose arguments are (X, R, *params, Out, ResOut,
+    the four row strides, n, eps, HAS_RESIDUAL, *constexprs, BLOCK): this module's and layer_norm's."""
     shape = x.shape
     rows = _rows(x)
     hidden = shape[-1]
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, params[0].dtype), device=x.device)
     res_rows = _rows(residual) if residual is not None else rows
     res_out = torch.empty_like(rows) if residual is not None else out
     if rows.shape[0]:
-        _kernel()[(rows.shape[0],)](
-            rows, res_rows, weight, out, res_out, rows.stride(0), res_rows.stride(0), out.stride(0),
-            res_out.stride(0), hidden, float(eps), HAS_RESIDUAL=residual is not None, BLOCK=block(hidden),
-            num_warps=8 if hidden >= 2048 else 4)
+        kernel[(rows.shape[0],)](
+            rows, res_rows, *params, out, res_out, rows.stride(0), res_rows.stride(0), out.stride(0),
+            res_out.stride(0), hidden, float(eps), HAS_RESIDUAL=residual is not None, **constexprs,
+            BLOCK=block(hidden), num_warps=8 if hidden >= 2048 else 4)
     if residual is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)
