@@ -32,7 +32,8 @@
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
-#   bash scripts/device.sh profile-towers-19 final-19   # issue 19: the test fixes, the profiles, then the table
+#   bash scripts/device.sh final2-19             # issue 19's table after towers-19, and its test fixes on CUDA
+#   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
@@ -514,6 +515,18 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 --profile-batch 1 16
             awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
                 "$OUT"/{vision,audio}-profile.log ;;
+        final2-19)  # issue 19's table in one call after towers-19 (final-19's steps, the VAE's limit 200 s), then the
+            # fused-tower tests as fixed after towers-19. Limits sum to 555 s
+            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
+            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
+                --json "$OUT/audio-table.json"
+            step vae-table 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
+            step towers-tests2 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
+            grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
+            grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
