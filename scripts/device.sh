@@ -33,6 +33,7 @@
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
 #   bash scripts/device.sh final2-19             # issue 19's table after towers-19, and its test fixes on CUDA
+#   bash scripts/device.sh towers-table-19       # the same without the VAE, for a call with ~400 s of device time
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
@@ -527,6 +528,15 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
             grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
+        towers-table-19)  # final2-19 without the VAE (unchanged since its last table): the towers with HF eager and
+            # compiled, then the fused-tower tests as fixed after towers-19. Limits sum to 355 s
+            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
+            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
+                --json "$OUT/audio-table.json"
+            step towers-tests2 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
+            grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
