@@ -508,8 +508,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
             for f in audio-ab audio-unfused; do echo "-- $f"
                 grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
-        profile-towers-19)  # issue 19, after towers-19: its two CUDA test fixes, then where the towers' time goes now
-            step towers-tests2 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
+        profile-towers-19)  # issue 19, after towers-19: where the towers' time goes now (limits sum to 170 s)
             step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
                 --no-hf --peer-compile none --profile
             step audio-profile 80 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none --profile \
