@@ -32,8 +32,7 @@
 #   bash scripts/device.sh vae3-19               # issue 19: bias folds, upsample in the residual add, hd512 as GEMMs
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
-#   bash scripts/device.sh final2-19             # issue 19's table after towers-19, and its test fixes on CUDA
-#   bash scripts/device.sh towers-table-19       # the same without the VAE, for a call with ~400 s of device time
+#   bash scripts/device.sh towers-table-19       # issue 19's towers beside HF eager and compiled, the fixed tower tests
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
@@ -73,6 +72,13 @@ gpu_util_start() {  # nvidia-smi's utilisation every 200 ms into $OUT/gpu-util.l
     SMI=$!
 }
 gpu_util_stop() { kill "$SMI"; }
+
+tower_tables() {  # issue 19's towers: ours, HF eager and HF under torch.compile (default mode, a cold inductor cache each)
+    step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
+        --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
+    step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
+        --json "$OUT/audio-table.json"
+}
 
 old_tree() {  # old_tree DIR NAME [ARGS...]: this tree's encode_load on the code in DIR (its towers not timed)
     local dir=$1 name=$2
@@ -345,10 +351,7 @@ for name in "$@"; do
             # cache each, so the compile seconds are a cold start), the VAE without its compiled peer (vae-compiled-19).
             # With profile-19 in one 600 s call: 565 s of limits + about 30 s of set-up. Estimates: 150 s (three
             # compiles, SigLIP's the longest), 110 s (two compiles), 35 s
-            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
-                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
-            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
-                --json "$OUT/audio-table.json"
+            tower_tables
             step vae-table 50 python3 bench/vae.py --sizes 1024 --largest-sides 4096 --peer-compile none
             grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
@@ -427,10 +430,7 @@ for name in "$@"; do
         final-19)  # issue 19's table in one call: the towers with HF eager and compiled (default mode, a cold inductor
             # cache each), Whisper likewise, the VAE beside diffusers eager and compiled channels-last (its docs'
             # recipe), and the tiled 4096^2 in NHWC. Limits sum to 545 s
-            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
-                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
-            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
-                --json "$OUT/audio-table.json"
+            tower_tables
             step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
             grep -h -E "^(# HF|case|siglip|qwen)" "$OUT/vision-table.log"
@@ -515,24 +515,9 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 --profile-batch 1 16
             awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
                 "$OUT"/{vision,audio}-profile.log ;;
-        final2-19)  # issue 19's table in one call after towers-19 (final-19's steps, the VAE's limit 200 s), then the
-            # fused-tower tests as fixed after towers-19. Limits sum to 555 s
-            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
-                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
-            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
-                --json "$OUT/audio-table.json"
-            step vae-table 200 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
-                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
-            step towers-tests2 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
-            grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
-            grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
-            grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
-        towers-table-19)  # final2-19 without the VAE (unchanged since its last table): the towers with HF eager and
+        towers-table-19)  # final-19 without the VAE (unchanged since its last table): the towers with HF eager and
             # compiled, then the fused-tower tests as fixed after towers-19. Limits sum to 355 s
-            step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
-                --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
-            step audio-table 130 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/audio.py --batch 1 16 \
-                --json "$OUT/audio-table.json"
+            tower_tables
             step towers-tests2 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log" ;;

@@ -21,6 +21,7 @@ import torch
 
 from modalmesh import kernels
 from modalmesh.attention.paged import store_kv
+from modalmesh.kernels import norm as norm_kernels
 from modalmesh.layers import MLP, GatedMLP, GroupNorm, LayerNorm, RMSNorm
 from modalmesh.layers.rotary import RotaryEmbedding
 from modalmesh.testing.precision import ieee_fp32_convolutions
@@ -55,15 +56,19 @@ def _pair(make, device, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 80, 1000])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual):
+def test_rms_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual, monkeypatch):
     ref, fused = _pair(lambda f: RMSNorm(hidden, 1e-6, fused=f), device, dtype)
-    _assert_norms_agree(ref, fused, torch.randn(7, hidden, device=device, dtype=dtype) * 3, with_residual)
+    x = torch.randn(7, hidden, device=device, dtype=dtype) * 3
+    _assert_norms_agree(ref, fused, x, with_residual, _count_kernel_calls(monkeypatch), "rms_norm")
 
 
-def _assert_norms_agree(ref, fused, x: torch.Tensor, with_residual: bool) -> None:
+def _assert_norms_agree(ref, fused, x: torch.Tensor, with_residual: bool, calls: dict, kernel: str) -> None:
     residual = torch.randn_like(x) if with_residual else None
     with torch.inference_mode():
-        want, got = ref(x, residual), fused(x, residual)
+        want = ref(x, residual)
+        assert not calls
+        got = fused(x, residual)
+    assert calls == {kernel: 1}  # the kernel did run
     if with_residual:
         torch.testing.assert_close(got[1], want[1], **_exact(x.device.type, x.dtype))  # the sum, rounded alike
         want, got = want[0], got[0]
@@ -76,30 +81,59 @@ def _assert_norms_agree(ref, fused, x: torch.Tensor, with_residual: bool) -> Non
 @pytest.mark.parametrize("hidden", [64, 80, 1152])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual, bias):
+def test_layer_norm_kernel_equals_the_pytorch_path(device, dtype, hidden, with_residual, bias, monkeypatch):
     ref, fused = _pair(lambda f: LayerNorm(hidden, 1e-6, bias=bias, fused=f), device, dtype)
     x = torch.randn(7, hidden, device=device, dtype=dtype) * 3 + 1.5  # a mean the centring must remove
-    _assert_norms_agree(ref, fused, x, with_residual)
+    _assert_norms_agree(ref, fused, x, with_residual, _count_kernel_calls(monkeypatch), "layer_norm")
 
 
 def test_layer_norm_kernel_takes_only_rows_it_can_read_whole():
     from modalmesh.kernels import layer_norm
 
-    x = torch.randn(4, 6, 32)
-    assert layer_norm.fusable(x, None) and layer_norm.fusable(x, torch.randn(4, 6, 32))
-    assert not layer_norm.fusable(x.transpose(1, 2), None)  # columns strided
-    assert not layer_norm.fusable(x, torch.randn(1, 6, 32))  # a broadcast residual is not a stream
-    assert not layer_norm.fusable(torch.randn(2, 16384), None)  # past one program's registers
+    x, w = torch.randn(4, 6, 32), torch.ones(32)
+    assert layer_norm.fusable(x, None, w, None) and layer_norm.fusable(x, torch.randn(4, 6, 32), w, w)
+    assert not layer_norm.fusable(x.transpose(1, 2), None, w, None)  # columns strided
+    assert not layer_norm.fusable(x, torch.randn(1, 6, 32), w, None)  # a broadcast residual is not a stream
+    assert not layer_norm.fusable(torch.randn(2, 16384), None, torch.ones(16384), None)  # past one program
+    # mixed dtypes: PyTorch's add promotes and F.layer_norm returns x's dtype, where the kernel would not
+    assert not layer_norm.fusable(x.bfloat16(), torch.randn(4, 6, 32), w.bfloat16(), None)
+    assert not layer_norm.fusable(x.bfloat16(), None, w, None)
+    assert not layer_norm.fusable(x.bfloat16(), None, w.bfloat16(), w)
+
+
+def test_rms_norm_kernel_takes_only_a_residual_of_the_rows_own_shape_and_dtype():
+    """The kernel reads the residual row by row and rounds the sum to x's dtype: a broadcast residual was
+    read past its end (the sum off by 1e35), and a float32 one rounded where PyTorch's add promotes."""
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    assert norm_kernels.fusable(x, None) and norm_kernels.fusable(x, torch.randn_like(x))
+    assert not norm_kernels.fusable(x, torch.randn(64, dtype=torch.bfloat16))
+    assert not norm_kernels.fusable(x, torch.randn(6, 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norms_with_mixed_dtypes_take_the_pytorch_path(device, monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    x = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(5, 64, device=device)
+    layer = LayerNorm(64, fused=True).to(device)  # float32 parameters on a bfloat16 row
+    with torch.inference_mode():
+        normed = layer(x)
+        rms_out, rms_sum = RMSNorm(64, fused=True).to(device, torch.bfloat16)(x, residual)
+    assert not calls
+    assert normed.dtype == torch.bfloat16 and rms_sum.dtype == torch.float32  # PyTorch's dtypes
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quick_gelu_kernel_equals_the_pytorch_path(device, dtype):
+def test_quick_gelu_kernel_equals_the_pytorch_path(device, dtype, monkeypatch):
     ref, fused = _pair(lambda f: MLP(40, 1100, "quick_gelu", fused=f, tp_rank=0, tp_size=1), device, dtype)
     x = torch.randn(9, 40, device=device, dtype=dtype)
+    calls = _count_kernel_calls(monkeypatch)
     with torch.inference_mode():
         want = ref(x)
+        assert not calls
         torch.testing.assert_close(fused(x), want, atol=TOL[dtype]["atol"] * float(want.abs().max()), rtol=0)
+        assert calls == {"quick_gelu": 1}  # the kernel did run
         # the activation alone, with the PyTorch path's three roundings (sigmoids differing in float32 ulps)
         from modalmesh.kernels.activation import quick_gelu
         h = ref.fc1(x) * 4

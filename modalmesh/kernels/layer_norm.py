@@ -16,7 +16,8 @@ import functools
 
 import torch
 
-from modalmesh.kernels.norm import _rows, launch_row_norm
+from modalmesh.kernels.norm import fusable as norm_fusable
+from modalmesh.kernels.norm import launch_row_norm
 
 
 @functools.cache
@@ -27,7 +28,7 @@ def _kernel():
     @triton.jit
     def add_layer_norm(X, R, W, B, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n, eps,
                        HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 elements in a large batch
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -47,9 +48,12 @@ def _kernel():
     return add_layer_norm
 
 
-def fusable(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    return (_rows(x) is not None and (residual is None or (residual.shape == x.shape and _rows(residual) is not None))
-            and x.shape[-1] <= 8192)  # one row in one program's registers
+def fusable(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> bool:
+    """RMSNorm's conditions (`norm.fusable`), a row that fits one program's registers, and parameters in
+    `x`'s dtype: F.layer_norm returns `x`'s dtype whatever its parameters', the kernel their promotion."""
+    return (norm_fusable(x, residual) and x.shape[-1] <= 8192
+            and all(p is None or p.dtype == x.dtype for p in (weight, bias)))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,

@@ -23,7 +23,7 @@ def _kernel():
     @triton.jit
     def add_rms_norm(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 elements in a large batch
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -54,7 +54,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def fusable(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    return _rows(x) is not None and (residual is None or _rows(residual) is not None)
+    """`x`'s rows evenly strided, and a residual (if any) of `x`'s shape and dtype: the kernel reads the
+    residual row by row (a broadcast one would be read past its end) and rounds the sum to `x`'s dtype,
+    where PyTorch's add would promote."""
+    return _rows(x) is not None and (residual is None or (
+        residual.shape == x.shape and residual.dtype == x.dtype and _rows(residual) is not None))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

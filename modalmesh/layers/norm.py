@@ -72,7 +72,7 @@ class LayerNorm(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused and kernels.usable(x) and layer_norm_kernels.fusable(x, residual):
+        if self.fused and kernels.usable(x) and layer_norm_kernels.fusable(x, residual, self.weight, self.bias):
             return layer_norm_kernels.layer_norm(x, self.weight, self.bias, self.eps, residual)
         if residual is not None:
             x = x + residual
