@@ -33,6 +33,7 @@
 #   bash scripts/device.sh vae-table-19          # issue 19: the VAE rows of the table (diffusers compiled beside)
 #   bash scripts/device.sh towers-19             # issue 19: fa3 loading, add+LayerNorm, quick GELU, the GELU epilogue
 #   bash scripts/device.sh towers-table-19       # issue 19's towers beside HF eager and compiled, the fixed tower tests
+#   bash scripts/device.sh norms-check-19        # issue 19: the review mends' kernel tests on CUDA (~60 s)
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
@@ -521,6 +522,9 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step towers-tests2 45 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k tower
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log" ;;
+        norms-check-19)  # issue 19's review mends (int64 rows, the fusable rules) on CUDA: the norm and tower kernels' tests
+            step norms-check 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                -k "norm or quick_gelu or tower or epilogue" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
