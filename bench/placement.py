@@ -10,6 +10,9 @@ pinned with CUDA_VISIBLE_DEVICES as compose pins a container:
   shared        vision encoder and LLM on GPU 0
   split         vision encoder on GPU 0, LLM on GPU 1
   two-replicas  vision encoders on GPU 0 and GPU 1 behind the LLM's round_robin channel, LLM on GPU 1
+  embeddings    the LLM alone on GPU 0; each client sends its image's embedding (random rows of the
+                encoder's answer shape, its own per request), as an encoder's answer would reach it:
+                what the LLM's GPU can serve of this load whatever the encoder pool does (one GPU)
 
 and prints requests/s, output tok/s and TTFT percentiles per layout, plus each vision
 replica's Encode count (both replicas must take load).
@@ -42,6 +45,7 @@ LAYOUTS = {  # name: (GPUs of the vision replicas, GPU of the LLM)
     "shared": (["0"], "0"),
     "split": (["0"], "1"),
     "two-replicas": (["0", "1"], "1"),
+    "embeddings": ([], "0"),
 }
 
 
@@ -78,19 +82,40 @@ def png(side: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-async def load(target: str, images: list[bytes], concurrency: int, output_len: int) -> dict:
+def image_item(data: bytes) -> pb.MultimodalItem:
+    return pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data))
+
+
+def embedding_items(ckpt: Path, side: int, count: int, seed: int, dtype) -> list[pb.MultimodalItem]:
+    """`count` image embeddings as the checkpoint's vision encoder answers for a side x side image: (t, h, w)
+    patch grid, h * w / merge² rows of the LLM's hidden size, in the services' `dtype`. Random rows, each
+    request its own, so no prefix-cache hit."""
+    import torch
+
+    from modalmesh.rpc.codec import to_proto
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    vision, text = cfg["vision_config"], cfg.get("text_config", cfg)
+    grid = side // vision["patch_size"]
+    rows = grid * grid // vision["spatial_merge_size"] ** 2
+    gen = torch.Generator().manual_seed(seed)
+    return [pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(
+        embedding=to_proto(torch.randn(rows, text["hidden_size"], generator=gen).to(dtype)),
+        grid_thw=[1, grid, grid], num_placeholder_tokens=rows)) for _ in range(count)]
+
+
+async def load(target: str, items: list[pb.MultimodalItem], concurrency: int, output_len: int) -> dict:
     ttfts, tokens = [], 0
     queue: asyncio.Queue = asyncio.Queue()
-    for i, data in enumerate(images):
-        queue.put_nowait((i, data))
+    for i, item in enumerate(items):
+        queue.put_nowait((i, item))
 
     async def worker(stub):
         nonlocal tokens
         while not queue.empty():
-            i, data = queue.get_nowait()
+            i, item = queue.get_nowait()
             request = pb.GenerateRequest(
-                text=f"{VISION} Picture {i}: describe it.",
-                items=[pb.MultimodalItem(modality=pb.IMAGE, input=pb.EncodeItem(data=data))],
+                text=f"{VISION} Picture {i}: describe it.", items=[item],
                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
             start, first = time.perf_counter(), None
             async for reply in stub.Generate(request, timeout=1800):
@@ -104,7 +129,7 @@ async def load(target: str, images: list[bytes], concurrency: int, output_len: i
         start = time.perf_counter()
         await asyncio.gather(*(worker(stub) for _ in range(concurrency)))
         wall = time.perf_counter() - start
-    return dict(requests_s=len(images) / wall, output_tok_s=tokens / wall, wall_s=wall,
+    return dict(requests_s=len(items) / wall, output_tok_s=tokens / wall, wall_s=wall,
                 ttft_p50_ms=percentile(ttfts, 50) * 1e3, ttft_p99_ms=percentile(ttfts, 99) * 1e3,
                 ttft_mean_ms=statistics.mean(ttfts) * 1e3)
 
@@ -139,6 +164,8 @@ PHASES = (
     ("enc_respond", "vision", "modalmesh_encode_stage_seconds", {"stage": "respond"}),
     ("batch_device", "vision", "modalmesh_encoder_batch_seconds", {"phase": "device"}),
 )
+# The LLM's engine steps over the load: how many, and their mean sequences and tokens (batch_size, batch_tokens).
+STEP_HISTOGRAMS = ("modalmesh_batch_size", "modalmesh_batch_tokens")
 
 
 def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
@@ -157,6 +184,15 @@ def phase_means_ms(before: dict, after: dict) -> dict[str, float | None]:
     return means
 
 
+def step_stats(before: list, after: list, wall_s: float) -> dict:
+    """The LLM's engine steps between two scrapes: steps/s, mean sequences and tokens per step."""
+    count = total(after, "modalmesh_batch_size_count") - total(before, "modalmesh_batch_size_count")
+    means = {name: (total(after, name + "_sum") - total(before, name + "_sum")) / max(count, 1)
+             for name in STEP_HISTOGRAMS}
+    return dict(steps_s=count / wall_s, seqs=means["modalmesh_batch_size"], tokens=means["modalmesh_batch_tokens"],
+                step_ms=wall_s / max(count, 1) * 1e3)
+
+
 def run_layout(name: str, ckpt: Path, args) -> dict:
     vision_gpus, llm_gpu = LAYOUTS[name]
     common = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt)]
@@ -172,22 +208,33 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
         for v in visions:
             v.wait_listening(600)
         targets = ",".join(f"127.0.0.1:{v.grpc_port}" for v in visions)
-        llm_flags = [*common, "--vision-encoder", f"ipv4:{targets}", "--max-num-seqs", str(args.concurrency)]
+        llm_flags = [*common, "--max-num-seqs", str(args.concurrency)]
+        if visions:
+            llm_flags += ["--vision-encoder", f"ipv4:{targets}"]
         if args.quick:
             llm_flags += ["--kv-cache-tokens", "65536"]
         llm = ServiceProcess("llm", llm_flags, env={"CUDA_VISIBLE_DEVICES": llm_gpu}).start()
         procs.append(llm)
         for p in procs:
             p.wait_serving(timeout=1800)
-        warm = [png(args.side, 10_000 + i) for i in range(min(4, args.requests))]
+        if visions:
+            warm = [image_item(png(args.side, 10_000 + i)) for i in range(min(4, args.requests))]
+            items = [image_item(png(args.side, i)) for i in range(args.requests)]
+        else:
+            import torch
+
+            dtype = torch.float32 if args.quick else torch.bfloat16
+            warm = embedding_items(ckpt, args.side, min(4, args.requests), 1, dtype)
+            items = embedding_items(ckpt, args.side, args.requests, 0, dtype)
         asyncio.run(load(llm.target, warm, len(warm), 2))  # first calls: graphs, kernels, channels
         services = {"llm": [llm], "vision": visions}
         before, phases = [encode_count(v) for v in visions], phase_totals(services)
-        images = [png(args.side, i) for i in range(args.requests)]
+        steps = scrape(llm.metrics_port)
         print(f"{name}: load starts", flush=True)  # a profiler attaches now (scripts/device.sh)
-        stats = asyncio.run(load(llm.target, images, args.concurrency, args.output_len))
+        stats = asyncio.run(load(llm.target, items, args.concurrency, args.output_len))
         stats["encode_calls_per_replica"] = [encode_count(v) - b for v, b in zip(visions, before)]
         stats["phase_mean_ms"] = phase_means_ms(phases, phase_totals(services))
+        stats["llm_steps"] = step_stats(steps, scrape(llm.metrics_port), stats["wall_s"])
         stats["layout"] = name
         return stats
     finally:
@@ -211,7 +258,8 @@ def main() -> int:
     else:
         ckpt = qwen2_vl_7b(Path(tempfile.mkdtemp(prefix="bench-placement-")))
     rows = [run_layout(name, ckpt, args) for name in args.layouts.split(",")]
-    print(json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items() if k != "phase_mean_ms"}
+    print(json.dumps([{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()
+                       if k not in ("phase_mean_ms", "llm_steps")}
                       for r in rows], indent=1))
     print(f"\n{args.requests} requests, {args.concurrency} concurrent, one {args.side}x{args.side} image each, "
           f"{args.output_len} output tokens")
@@ -222,7 +270,12 @@ def main() -> int:
     print("\nmean ms, from the services' histograms: per request (LLM set-up and engine), per item (LLM's Encode "
           "calls), per Encode call (vision handler and stages), per batch (batch_device); client TTFT = set-up + "
           "engine TTFT + the stream's first message")
-    print(f"{'phase':>14} | " + " | ".join(f"{r['layout']:>12}" for r in rows))
+    print("\nthe LLM's engine steps over the load: per second, mean ms apart, mean sequences and tokens each")
+    for r in rows:
+        st = r["llm_steps"]
+        print(f"{r['layout']:>13} | {st['steps_s']:7.1f} steps/s | {st['step_ms']:6.2f} ms | {st['seqs']:6.1f} seqs | "
+              f"{st['tokens']:7.1f} tokens")
+    print(f"\n{'phase':>14} | " + " | ".join(f"{r['layout']:>12}" for r in rows))
     print(f"{'client TTFT':>14} | " + " | ".join(f"{r['ttft_mean_ms']:12.1f}" for r in rows))
     for col, *_ in PHASES:
         cells = (r["phase_mean_ms"][col] for r in rows)
