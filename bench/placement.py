@@ -166,6 +166,8 @@ PHASES = (
 )
 # The LLM's engine steps over the load: how many, and their mean sequences and tokens (batch_size, batch_tokens).
 STEP_HISTOGRAMS = ("modalmesh_batch_size", "modalmesh_batch_tokens")
+STEP_PATHS = ("decode_graph", "mixed_graph", "eager")  # modalmesh_engine_steps_total
+STEP_PHASES = ("schedule", "model", "post")  # modalmesh_engine_step_phase_seconds_total
 
 
 def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
@@ -189,8 +191,14 @@ def step_stats(before: list, after: list, wall_s: float) -> dict:
     count = total(after, "modalmesh_batch_size_count") - total(before, "modalmesh_batch_size_count")
     means = {name: (total(after, name + "_sum") - total(before, name + "_sum")) / max(count, 1)
              for name in STEP_HISTOGRAMS}
+    def delta(name: str, **labels) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
     return dict(steps_s=count / wall_s, seqs=means["modalmesh_batch_size"], tokens=means["modalmesh_batch_tokens"],
-                step_ms=wall_s / max(count, 1) * 1e3)
+                step_ms=wall_s / max(count, 1) * 1e3,
+                paths={path: delta("modalmesh_engine_steps_total", path=path) for path in STEP_PATHS},
+                busy={phase: delta("modalmesh_engine_step_phase_seconds_total", phase=phase) / wall_s
+                      for phase in STEP_PHASES})
 
 
 def run_layout(name: str, ckpt: Path, args) -> dict:
@@ -270,11 +278,13 @@ def main() -> int:
     print("\nmean ms, from the services' histograms: per request (LLM set-up and engine), per item (LLM's Encode "
           "calls), per Encode call (vision handler and stages), per batch (batch_device); client TTFT = set-up + "
           "engine TTFT + the stream's first message")
-    print("\nthe LLM's engine steps over the load: per second, mean ms apart, mean sequences and tokens each")
+    print("\nthe LLM's engine steps over the load: per second, mean ms apart, mean sequences and tokens each, "
+          "steps by path, and the engine thread's share of the wall time by phase")
     for r in rows:
         st = r["llm_steps"]
         print(f"{r['layout']:>13} | {st['steps_s']:7.1f} steps/s | {st['step_ms']:6.2f} ms | {st['seqs']:6.1f} seqs | "
-              f"{st['tokens']:7.1f} tokens")
+              f"{st['tokens']:7.1f} tokens | " + " ".join(f"{k} {v:.0f}" for k, v in st["paths"].items()) + " | "
+              + " ".join(f"{k} {v:.0%}" for k, v in st["busy"].items()))
     print(f"\n{'phase':>14} | " + " | ".join(f"{r['layout']:>12}" for r in rows))
     print(f"{'client TTFT':>14} | " + " | ".join(f"{r['ttft_mean_ms']:12.1f}" for r in rows))
     for col, *_ in PHASES:

@@ -102,6 +102,14 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "Requests the engine finished, by reason: stop (EOS, stop token or string), length (max_tokens or "
                "the model's limit), abort (client gone, deadline, shutdown), error (the engine step failed).",
                ("model_name", "finished_reason")),
+    MetricSpec("modalmesh_engine_steps_total", "counter",
+               "LLM engine: steps run, by path: decode_graph (a decode step replayed from its batch bucket's CUDA "
+               "graph), mixed_graph (a step with prompt tokens replayed from its token bucket's graph), eager.",
+               ("path",)),
+    MetricSpec("modalmesh_engine_step_phase_seconds_total", "counter",
+               "LLM engine: the worker thread's seconds by step phase: schedule, model (the step's inputs, "
+               "launching its forward and sampling, and waiting for its tokens), post (stop checks, "
+               "detokenising, emitting: this runs while the device computes the next step).", ("phase",)),
     MetricSpec("modalmesh_num_preemptions_total", "counter",
                "Running requests preempted for KV pages (their pages freed, recomputed later).", ("model_name",)),
     MetricSpec("modalmesh_prefix_cache_queries_total", "counter",

@@ -126,8 +126,15 @@ def test_cuda_graph_steps_equal_eager_steps(root, family):
         finally:
             engine.stop()
         assert engine.pool.allocator.used_tokens == 0
+        steps = {path: engine.metrics.registry.get_sample_value(
+            "modalmesh_engine_steps_total", {"service": "llm", "path": path})
+            for path in ("decode_graph", "mixed_graph", "eager")}
         if graphs:
             assert replays["decode"] and replays["mixed"], replays
+            # the metric counts each replay on its path (a step's replay is one run call)
+            assert (steps["decode_graph"], steps["mixed_graph"]) == (replays["decode"], replays["mixed"])
+        else:
+            assert steps["decode_graph"] == steps["mixed_graph"] == 0 and steps["eager"] == engine.steps
     assert results[True] == results[False]
 
 

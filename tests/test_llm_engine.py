@@ -35,6 +35,7 @@ class ScriptedRunner:
         self.scripts, self.log, self.steps = scripts, log, 0
         self.in_flight: dict[str, int] = {}  # request -> steps it was part of
         self.hold_at, self.release = None, threading.Event()  # submit step `hold_at` only once released
+        self.paths: list[str] = []  # per submitted step
 
     def submit(self, step: Step, previous=None):
         n, self.steps = self.steps, self.steps + 1
@@ -56,7 +57,10 @@ class ScriptedRunner:
                 log.append(("wait", n))
                 return super().wait()
 
-        return Logged(step, chunks, tokens, torch.zeros(len(chunks)))
+        # The path the step "ran" by: prompt chunks as a mixed graph, decode rows as a decode graph
+        path = "mixed_graph" if any(c.is_prefill for c in step.chunks) else "decode_graph"
+        self.paths.append(path)
+        return Logged(step, chunks, tokens, torch.zeros(len(chunks)), path=path)
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -237,6 +241,24 @@ def test_request_metrics_count_each_finish_by_reason_and_size(tokenizer):
     assert get("modalmesh_inter_token_latency_seconds_count", {"service": "llm"}) == (6 - 1) + (4 - 1) + (3 - 1)
     assert get("modalmesh_time_per_output_token_seconds_count", {"service": "llm"}) == 3
     assert get("modalmesh_time_to_first_token_seconds_count", {"service": "llm"}) == 3
+
+
+def test_engine_steps_are_counted_by_path_and_their_host_time_by_phase(tokenizer):
+    log: list = []
+    script = tokenizer.encode(" the quick brown fox jumps over the lazy dog")
+    engine, runner = _engine(tokenizer, {"a": script, "b": script}, log)
+    _run(engine, log, {"a": ([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=5)),
+                       "b": ([8, 9], SamplingParams(temperature=0.0, max_tokens=3))})
+    assert len(runner.paths) == engine.steps
+    get = engine.metrics.registry.get_sample_value
+    for path in ("decode_graph", "mixed_graph"):
+        assert runner.paths.count(path) > 0, runner.paths
+        assert get("modalmesh_engine_steps_total", {"service": "llm", "path": path}) == runner.paths.count(path)
+    assert get("modalmesh_engine_steps_total", {"service": "llm", "path": "eager"}) == 0
+    for phase, seconds in engine.phase_seconds.items():
+        assert seconds > 0, phase
+        assert get("modalmesh_engine_step_phase_seconds_total", {"service": "llm", "phase": phase}) == \
+            pytest.approx(seconds), phase
 
 
 def test_request_metrics_count_preemptions_and_aborts(tokenizer):

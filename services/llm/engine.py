@@ -65,7 +65,12 @@ class LLMEngine:
         # Cumulative seconds per phase of a step (bench/llm.py prints them): schedule, model (launching the
         # forward + sampling, and waiting for its tokens), post (stop checks, detokenise, emit; this part
         # runs while the device computes the next step).
+        # Exported as modalmesh_engine_step_phase_seconds_total, and by path modalmesh_engine_steps_total.
         self.phase_seconds = {"schedule": 0.0, "model": 0.0, "post": 0.0}
+        self._phase_counters = {phase: metrics.engine_step_phase_seconds_total.labels(phase=phase)
+                                for phase in self.phase_seconds}
+        self._step_counters = {path: metrics.engine_steps_total.labels(path=path)
+                               for path in ("decode_graph", "mixed_graph", "eager")}
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,6 +203,10 @@ class LLMEngine:
             self.metrics.queue_depth.set(self.scheduler.num_waiting + self._pending)
             self.metrics.num_requests_running.labels(model_name=self.model_name).set(len(self.scheduler.running))
 
+    def _lap(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] += seconds
+        self._phase_counters[phase].inc(seconds)
+
     def _hold(self, hold_ids: list[str], keys: list[bytes], resolve: Callable[[int], None]) -> None:
         alloc = self.pool.allocator
         pages = alloc.match(keys) if self.prefix_caching else []
@@ -209,7 +218,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self.phase_seconds["schedule"] += t1 - t0
+        self._lap("schedule", t1 - t0)
         if step.cache_queries:
             self.metrics.prefix_cache_queries_total.labels(model_name=self.model_name).inc(step.cache_queries)
             if step.cache_hits:
@@ -243,7 +252,7 @@ class LLMEngine:
                 inflight.ending[seq_id] = "length"
                 self._live.pop(seq_id, None)
                 self.scheduler.finish(seq, "length")
-        self.phase_seconds["model"] += time.perf_counter() - t1
+        self._lap("model", time.perf_counter() - t1)
         return inflight
 
     def _wait(self, inflight: InFlight) -> list[Sampled] | None:
@@ -255,7 +264,7 @@ class LLMEngine:
             # Its sequences ended by length at launch are finished but have not been told: they get the error.
             self._fail([c.seq for c in inflight.step.chunks], exc, unannounced=inflight.ending)
             return None
-        self.phase_seconds["model"] += time.perf_counter() - t0
+        self._lap("model", time.perf_counter() - t0)
         return sampled
 
     def _stop(self, seq: Sequence[RequestState], index: int) -> str:
@@ -279,6 +288,7 @@ class LLMEngine:
                 if scores is not None:  # else its first token (and the scores with it) has gone out already
                     scores[first:first + len(rows)] = rows
         self.steps += 1
+        self._step_counters[inflight.path].inc()
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))
@@ -295,7 +305,7 @@ class LLMEngine:
             if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 finish = self._stop(seq, index)
             ended.append((s, index, finish))
-        self.phase_seconds["post"] += time.perf_counter() - t0
+        self._lap("post", time.perf_counter() - t0)
         return ended, time.perf_counter()
 
     def _emit(self, ended: list[tuple[Sampled, int, str | None]], now: float) -> None:
@@ -314,7 +324,7 @@ class LLMEngine:
         for sink, pairs in batched.items():
             sink.deliver(pairs)
         self.pool.publish()
-        self.phase_seconds["post"] += time.perf_counter() - t0
+        self._lap("post", time.perf_counter() - t0)
 
     def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob, finish: str | None,
                   now: float) -> Delta:

@@ -85,11 +85,13 @@ class InFlight:
     `tokens` stays on the device for the next step (`carry`); `rows` is each sampled sequence's row in it.
     `feeds_next` is False when a row's sampler needs the token on the host before it samples again (the
     repetition penalty's seen tokens, a grammar's state: `SamplerRow.feeds_next`): then the engine waits for
-    this step before it schedules the next. `scored`: the step's prompt logprobs, if any sequence asked."""
+    this step before it schedules the next. `scored`: the step's prompt logprobs, if any sequence asked.
+    `path`: how it ran (`StepInputs.path`)."""
 
     def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
-                 scored: PromptScores | None = None):
+                 scored: PromptScores | None = None, *, path: str = "eager"):
         self.step = step
+        self.path = path
         self._chunks = chunks
         self.tokens = tokens
         self.rows = {c.seq.seq_id: i for i, c in enumerate(chunks)}
@@ -270,10 +272,10 @@ class ModelRunner:
         scored = PromptScores(inputs.scored_spans, scores) if scores is not None else None
         sampled = [c for c in step.chunks if c.sample]
         if logits is None:
-            return InFlight(step, [], None, None, scored)
+            return InFlight(step, [], None, None, scored, path=inputs.path)
         rows: list[SamplerRow] = [c.seq.state.sampler for c in sampled]
         tokens, logprobs = sample(logits, rows)
-        return InFlight(step, sampled, tokens, logprobs, scored)
+        return InFlight(step, sampled, tokens, logprobs, scored, path=inputs.path)
 
     def prepare(self, step: Step, previous: InFlight | None = None) -> StepInputs:
         """Rank 0: the step's inputs on the host, from the scheduled chunks and the page allocator."""

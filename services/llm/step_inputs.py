@@ -83,6 +83,11 @@ class StepInputs:
     def batch_size(self) -> int:
         return len(self.query_lens)
 
+    @property
+    def path(self) -> str:
+        """How the step runs: decode_graph, mixed_graph or eager (`modalmesh_engine_steps_total`)."""
+        return "decode_graph" if self.graph_batch else "mixed_graph" if self.graph_tokens else "eager"
+
     def with_carried_ids(self, previous_tokens: torch.Tensor) -> StepInputs:
         """These inputs with the ids named by `carry` taken from the previous step's sampled tokens (on the
         device: no host synchronisation)."""
