@@ -37,6 +37,7 @@
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
+#   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -525,6 +526,14 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
         norms-check-19)  # issue 19's review mends (int64 rows, the fusable rules) on CUDA: the norm and tower kernels' tests
             step norms-check 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
                 -k "norm or quick_gelu or tower or epilogue" ;;
+        table3-17)  # issue 17's table on one GPU, one call (2026-12-06 session 2): the graph-path metric's CUDA test,
+            # decode beside HF, 256 streams, image+text in the embeddings layout (the LLM alone: what its GPU serves
+            # of the split layout's load) beside shared. Limits sum to 590 s
+            step metric-test 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k graph_steps_equal
+            step llm-table 160 python3 bench/llm.py --batches 1,32,256
+            step serve-table 140 python3 bench/serve.py --start --requests 4096
+            step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
+            tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
