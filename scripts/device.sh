@@ -38,6 +38,7 @@
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
+#   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -534,6 +535,24 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step serve-table 140 python3 bench/serve.py --start --requests 4096
             step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
+        where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
+            # (every process's threads, idle included, then who holds the GIL), then the LLM's steps under
+            # torch.profiler is bench/llm.py's job: this is the served path
+            P="$OUT/prof"; mkdir -p "$P"
+            env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}" \
+                >"$OUT/placement-emb-prof.log" 2>&1 &
+            load=$!
+            for _ in $(seq 300); do grep -q "load starts" "$OUT/placement-emb-prof.log" 2>/dev/null && break
+                                    kill -0 "$load" || break; sleep 1; done
+            sleep 3  # past the first wave
+            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 6 --rate 100 --format raw \
+                --threads --idle -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
+            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 5 --rate 100 --format raw \
+                --threads --gil -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
+            timeout 300 tail --pid "$load" -f /dev/null
+            tail -34 "$OUT/placement-emb-prof.log"
+            python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/where-17-summary.txt" 2>&1
+            tar czf "$OUT/where-17-prof.tgz" -C "$OUT" prof && rm -rf "$P" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
