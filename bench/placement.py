@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import io
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -216,7 +217,7 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
         for v in visions:
             v.wait_listening(600)
         targets = ",".join(f"127.0.0.1:{v.grpc_port}" for v in visions)
-        llm_flags = [*common, "--max-num-seqs", str(args.concurrency)]
+        llm_flags = [*common, "--max-num-seqs", str(args.concurrency), *shlex.split(args.llm_args)]
         if visions:
             llm_flags += ["--vision-encoder", f"ipv4:{targets}"]
         if args.quick:
@@ -258,6 +259,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--side", type=int, default=448, help="image side in pixels")
+    parser.add_argument("--llm-args", default="", help="more LLM service flags, e.g. '--max-batch-tokens 2048'")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.requests, args.output_len, args.side = min(args.concurrency, 8), \
@@ -270,7 +272,7 @@ def main() -> int:
                        if k not in ("phase_mean_ms", "llm_steps")}
                       for r in rows], indent=1))
     print(f"\n{args.requests} requests, {args.concurrency} concurrent, one {args.side}x{args.side} image each, "
-          f"{args.output_len} output tokens")
+          f"{args.output_len} output tokens" + (f"; LLM flags {args.llm_args}" if args.llm_args else ""))
     print(f"{'layout':>13} | {'req/s':>7} | {'out tok/s':>9} | {'TTFT p50':>9} | {'TTFT p99':>9} | Encode calls per replica")
     for r in rows:
         print(f"{r['layout']:>13} | {r['requests_s']:7.2f} | {r['output_tok_s']:9.0f} | {r['ttft_p50_ms']:7.0f} ms | "
