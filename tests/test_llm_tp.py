@@ -249,7 +249,7 @@ def _args(**kw):
                 audio_encoder=None,
                 encoder_timeout=5.0, allow_foreign_encoders=False, encoder_shared_memory="off", max_message_mb=8,
                 max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=256, max_items_per_request=64,
-                log_level="INFO")
+                log_level="INFO", switch_interval_ms=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -269,6 +269,30 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
         dataclasses.replace(config, rank=2)
     with pytest.raises(ConfigError, match="--max-num-seqs 0"):
         LLMConfig.from_args(_args(max_num_seqs=0), model_dir, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_the_engine_process_takes_its_gil_switch_interval_from_the_flag(ckpts):
+    import sys
+
+    from services.llm.core import tune_interpreter
+
+    model_dir = tiny.ensure("qwen2", ckpts)
+    build = lambda **kw: LLMConfig.from_args(_args(**kw), model_dir, device=torch.device("cpu"),  # noqa: E731
+                                             dtype=torch.float32)
+    assert build().switch_interval_s is None
+    config = build(switch_interval_ms=0.25)
+    assert config.switch_interval_s == pytest.approx(0.25e-3)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--switch-interval-ms"):
+            build(switch_interval_ms=bad)
+    before = sys.getswitchinterval()
+    try:
+        tune_interpreter(build())
+        assert sys.getswitchinterval() == before  # None leaves Python's own
+        tune_interpreter(config)
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_a_bad_tensor_parallel_size_fails_start_up(ckpts):

@@ -48,3 +48,58 @@ def test_positions_equal_hf_get_rope_index(hf_model, layout):
 def test_text_only_is_plain_positions():
     pos, delta = mrope_positions(5, [], 2)
     assert torch.equal(pos, torch.arange(5).expand(3, -1)) and delta == 0
+
+
+def _chunk(prompt_ids, outputs, start, length, prompt):
+    import types
+
+    from services.llm.scheduler import Sequence
+
+    seq = Sequence("s", list(prompt_ids), 64, state=types.SimpleNamespace(prompt=prompt))
+    seq.output_ids = list(outputs)
+    return types.SimpleNamespace(seq=seq, start=start, length=length)
+
+
+def test_a_packed_steps_positions_are_each_chunks_own_in_order():
+    """`PackedPositions` against the positions token by token: a prompt chunk's M-RoPE columns, a
+    generated token's 1-D position shifted by its prompt's delta on all three axes, a text-only prompt's
+    plain positions, and a chunk that crosses from prompt into output; padding is 0."""
+    from services.llm.inputs import PreparedPrompt
+    from services.llm.runner import PackedPositions
+
+    image = mrope_positions(20, [(2, (1, 8, 8))], 2)  # 16 image tokens from index 2
+    image_prompt = PreparedPrompt(list(range(20)), mrope=image[0], mrope_delta=image[1])
+    text_prompt = PreparedPrompt(list(range(7)))
+    chunks = [
+        _chunk(range(20), [], 0, 12, image_prompt),       # a prompt chunk inside the image
+        _chunk(range(20), [5] * 3, 22, 1, image_prompt),  # a decode row
+        _chunk(range(7), [], 3, 4, text_prompt),          # text only
+        _chunk(range(20), [5], 17, 4, image_prompt),      # prompt tail + the first output
+    ]
+
+    def expected(chunk):
+        prompt, n = chunk.seq.state.prompt, len(chunk.seq.prompt_ids)
+        cols = []
+        for i in range(chunk.start, chunk.start + chunk.length):
+            if prompt.mrope is None:
+                cols.append([i] * 3)
+            elif i < n:
+                cols.append(prompt.mrope[:, i].tolist())
+            else:
+                cols.append([i + prompt.mrope_delta] * 3)
+        return cols
+
+    packed = PackedPositions(mrope=True)
+    for c in chunks:
+        packed.add(c)
+    packed.pad(3)
+    want = [col for c in chunks for col in expected(c)] + [[0, 0, 0]] * 3
+    got = packed.tensor()
+    assert got.dtype == torch.int64 and got.shape == (3, len(want))
+    assert got.t().tolist() == want
+    assert image[1] != 0  # the delta is exercised
+    # A model without M-RoPE: plain 1-D positions, whatever the prompt holds.
+    flat = PackedPositions(mrope=False)
+    for c in chunks:
+        flat.add(c)
+    assert flat.tensor().tolist() == [i for c in chunks for i in range(c.start, c.start + c.length)]

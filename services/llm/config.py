@@ -13,6 +13,7 @@ is spawned.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,9 @@ class LLMConfig:
     log_format: str = "text"  # --log-format, for the rank processes too (modalmesh.logs)
     gc_freeze: bool = True  # --no-gc-freeze turns it off; the ranks >= 1 freeze their heaps too (modalmesh.heap)
     prefix_caching: bool = True  # --no-prefix-caching turns it off (services/llm/scheduler.py)
+    # The engine process's GIL switch interval (--switch-interval-ms; None: Python's 5 ms). Its engine thread
+    # releases the GIL at every torch call and waits up to this long to get it back from the event loop.
+    switch_interval_s: float | None = None
 
     def __post_init__(self):
         if self.device_type not in ("cpu", "cuda"):
@@ -88,6 +92,9 @@ class LLMConfig:
                 raise ConfigError(f"{flag} {value}: must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ConfigError(f"--kv-cache-tokens {self.kv_cache_tokens}: must be >= 1")
+        if self.switch_interval_s is not None and not (math.isfinite(self.switch_interval_s)
+                                                       and self.switch_interval_s > 0):
+            raise ConfigError(f"--switch-interval-ms {self.switch_interval_s * 1e3}: must be positive")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"--mem-fraction {self.mem_fraction}: must be in (0, 1]")
 
@@ -131,6 +138,7 @@ class LLMConfig:
             log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
             gc_freeze=getattr(args, "gc_freeze", True), prefix_caching=not getattr(args, "no_prefix_caching", False),
             chat_template=read_chat_template(getattr(args, "chat_template", None)),
+            switch_interval_s=None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3,
         )
 
 

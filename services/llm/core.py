@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -57,6 +58,12 @@ class EngineSettings:
     tracing: TracingConfig = TracingConfig()
 
 
+def tune_interpreter(config: LLMConfig) -> None:
+    """The engine process's interpreter settings: the GIL switch interval (`LLMConfig.switch_interval_s`)."""
+    if config.switch_interval_s is not None:
+        sys.setswitchinterval(config.switch_interval_s)
+
+
 def engine_process_main(config: LLMConfig, settings: EngineSettings, requests: socket.socket,
                         replies: socket.socket, edge_pid: int) -> None:
     """The engine process's whole life (a multiprocessing spawn target); exits with its code."""
@@ -66,6 +73,7 @@ def engine_process_main(config: LLMConfig, settings: EngineSettings, requests: s
     for sig in (signal.SIGINT, signal.SIGTERM):  # the edge drains first, then sends Shutdown
         signal.signal(sig, signal.SIG_IGN)
     configure_logging("llm", level=config.log_level, fmt=config.log_format)
+    tune_interpreter(config)
     metrics = metrics_mod.install(metrics_mod.Metrics("llm", options=settings.metrics))
     heap.observe_pauses(metrics.gc_pause_seconds)
     code = 1

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=8192, help="token budget of one step")
     parser.add_argument("--max-prefill-chunk", type=int, default=None, help="longest prompt chunk of one step")
     parser.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond this: RESOURCE_EXHAUSTED")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="the engine process's GIL switch interval (default: Python's, 5 ms): how long its "
+                             "engine thread may wait for the GIL after each torch call while the event loop runs")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over this many GPUs (ranks 1.. run as child processes)")
     parser.add_argument("--enforce-eager", action="store_true",
