@@ -77,6 +77,24 @@ gpu_util_start() {  # nvidia-smi's utilisation every 200 ms into $OUT/gpu-util.l
 }
 gpu_util_stop() { kill "$SMI"; }
 
+profile_placement() {  # profile_placement NAME LAYOUT REQUESTS: bench/placement.py on GPU 0, py-spy attached once its
+    # load runs (every process's threads, idle included, then who holds the GIL); $OUT/NAME-summary.txt and -prof.tgz
+    local name=$1 log="$OUT/placement-$2-prof.log" P="$OUT/prof"
+    mkdir -p "$P"
+    env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts "$2" --requests "$3" >"$log" 2>&1 &
+    local load=$!
+    for _ in $(seq 300); do grep -q "load starts" "$log" 2>/dev/null && break; kill -0 "$load" || break; sleep 1; done
+    sleep 3  # past the first wave's start
+    timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 6 --rate 100 --format raw \
+        --threads --idle -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
+    timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 5 --rate 100 --format raw \
+        --threads --gil -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
+    timeout 400 tail --pid "$load" -f /dev/null
+    tail -34 "$log"
+    python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/$name-summary.txt" 2>&1
+    tar czf "$OUT/$name-prof.tgz" -C "$OUT" prof && rm -rf "$P"
+}
+
 tower_tables() {  # issue 19's towers: ours, HF eager and HF under torch.compile (default mode, a cold inductor cache each)
     step vision-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vision.py \
         --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448
@@ -459,21 +477,7 @@ for name in "$@"; do
         where-18)  # issue 18: where an image request's time goes before the engine has it (one GPU): the transfer
             # bench split by stage, then image+text on one GPU by phase with py-spy attached once the load runs
             step transfer 150 python3 bench/transfer.py --sizes 448,2688
-            P="$OUT/prof"; mkdir -p "$P"
-            env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts shared --requests "${REQUESTS:-768}" \
-                >"$OUT/placement-shared.log" 2>&1 &
-            load=$!
-            for _ in $(seq 300); do grep -q "load starts" "$OUT/placement-shared.log" 2>/dev/null && break
-                                    kill -0 "$load" || break; sleep 1; done
-            sleep 3  # past the first wave's start
-            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 6 --rate 100 --format raw \
-                --threads --idle -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
-            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 5 --rate 100 --format raw \
-                --threads --gil -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
-            timeout 400 tail --pid "$load" -f /dev/null
-            tail -30 "$OUT/placement-shared.log"
-            python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/where-18-summary.txt" 2>&1
-            tar czf "$OUT/where-18-prof.tgz" -C "$OUT" prof && rm -rf "$P" ;;
+            profile_placement where-18 shared "${REQUESTS:-768}" ;;
         ab-18)  # issue 18: the kernel forms compiled before serving (CUDA tests), then image+text on one GPU by phase,
             # this tree against the code before (.prev: git archive REV, carried), then the transfer split again
             step tests-18 240 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
@@ -537,23 +541,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
-            # (every process's threads, idle included, then who holds the GIL), then the LLM's steps under
-            # torch.profiler is bench/llm.py's job: this is the served path
-            P="$OUT/prof"; mkdir -p "$P"
-            env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}" \
-                >"$OUT/placement-emb-prof.log" 2>&1 &
-            load=$!
-            for _ in $(seq 300); do grep -q "load starts" "$OUT/placement-emb-prof.log" 2>/dev/null && break
-                                    kill -0 "$load" || break; sleep 1; done
-            sleep 3  # past the first wave
-            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 6 --rate 100 --format raw \
-                --threads --idle -o "$P/idle.txt" >"$P/py-spy.log" 2>&1
-            timeout 60 /tmp/site/bin/py-spy record --pid "$load" --subprocesses --duration 5 --rate 100 --format raw \
-                --threads --gil -o "$P/gil.txt" >>"$P/py-spy.log" 2>&1
-            timeout 300 tail --pid "$load" -f /dev/null
-            tail -34 "$OUT/placement-emb-prof.log"
-            python3 scripts/pyspy_summary.py "$P/idle.txt" "$P/gil.txt" --top 15 >"$OUT/where-17-summary.txt" 2>&1
-            tar czf "$OUT/where-17-prof.tgz" -C "$OUT" prof && rm -rf "$P" ;;
+            profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
         gil-17)  # issue 17: the engine process's GIL switch interval, image+text with the packed positions in Python
             # ints: the M-RoPE CUDA tests, the embeddings (LLM alone) and shared layouts at 0.5 ms, then the
             # embeddings layout at Python's 5 ms (table3-17 has the shared layout at 5 ms). Limits sum to 260 s
