@@ -88,21 +88,25 @@ def image_item(data: bytes) -> pb.MultimodalItem:
 
 
 def embedding_items(ckpt: Path, side: int, count: int, seed: int, dtype) -> list[pb.MultimodalItem]:
-    """`count` image embeddings as the checkpoint's vision encoder answers for a side x side image: (t, h, w)
-    patch grid, h * w / merge² rows of the LLM's hidden size, in the services' `dtype`. Random rows, each
-    request its own, so no prefix-cache hit."""
+    """`count` image embeddings as the checkpoint's vision encoder answers for a side x side image: the patch
+    grid of the image as its processor resizes it (`image_grid`: sides to multiples of patch x merge, within
+    the pixel bounds), (h / merge) * (w / merge) rows of the LLM's hidden size, in the services' `dtype`.
+    Random rows, each request its own, so no prefix-cache hit."""
     import torch
 
+    from modalmesh.image_grid import ImageGrid, smart_resize
     from modalmesh.rpc.codec import to_proto
 
     cfg = json.loads((ckpt / "config.json").read_text())
-    vision, text = cfg["vision_config"], cfg.get("text_config", cfg)
-    grid = side // vision["patch_size"]
-    rows = grid * grid // vision["spatial_merge_size"] ** 2
+    grid = ImageGrid.from_preprocessor(json.loads((ckpt / "preprocessor_config.json").read_text()))
+    h, w = smart_resize(side, side, grid.patch_size * grid.merge_size, grid.min_pixels, grid.max_pixels)
+    thw = [1, h // grid.patch_size, w // grid.patch_size]
+    rows = grid.rows(side, side)
+    hidden = cfg.get("text_config", cfg)["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
     return [pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(
-        embedding=to_proto(torch.randn(rows, text["hidden_size"], generator=gen).to(dtype)),
-        grid_thw=[1, grid, grid], num_placeholder_tokens=rows)) for _ in range(count)]
+        embedding=to_proto(torch.randn(rows, hidden, generator=gen).to(dtype)),
+        grid_thw=thw, num_placeholder_tokens=rows)) for _ in range(count)]
 
 
 async def load(target: str, items: list[pb.MultimodalItem], concurrency: int, output_len: int) -> dict:
@@ -192,11 +196,12 @@ def step_stats(before: list, after: list, wall_s: float) -> dict:
     count = total(after, "modalmesh_batch_size_count") - total(before, "modalmesh_batch_size_count")
     means = {name: (total(after, name + "_sum") - total(before, name + "_sum")) / max(count, 1)
              for name in STEP_HISTOGRAMS}
+
     def delta(name: str, **labels) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
 
     return dict(steps_s=count / wall_s, seqs=means["modalmesh_batch_size"], tokens=means["modalmesh_batch_tokens"],
-                step_ms=wall_s / max(count, 1) * 1e3,
+                step_ms=wall_s / count * 1e3 if count else float("nan"),
                 paths={path: delta("modalmesh_engine_steps_total", path=path) for path in STEP_PATHS},
                 busy={phase: delta("modalmesh_engine_step_phase_seconds_total", phase=phase) / wall_s
                       for phase in STEP_PHASES})

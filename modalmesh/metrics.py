@@ -103,7 +103,7 @@ SCHEMA: tuple[MetricSpec, ...] = (
                "the model's limit), abort (client gone, deadline, shutdown), error (the engine step failed).",
                ("model_name", "finished_reason")),
     MetricSpec("modalmesh_engine_steps_total", "counter",
-               "LLM engine: steps run, by path: decode_graph (a decode step replayed from its batch bucket's CUDA "
+               "LLM engine: steps launched, by path: decode_graph (a decode step replayed from its batch bucket's CUDA "
                "graph), mixed_graph (a step with prompt tokens replayed from its token bucket's graph), eager.",
                ("path",)),
     MetricSpec("modalmesh_engine_step_phase_seconds_total", "counter",

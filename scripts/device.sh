@@ -545,7 +545,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
         gil-17)  # issue 17: the engine process's GIL switch interval, image+text with the packed positions in Python
             # ints: the M-RoPE CUDA tests, the embeddings (LLM alone) and shared layouts at 0.5 ms, then the
-            # embeddings layout at Python's 5 ms (table3-17 has the shared layout at 5 ms). Limits sum to 260 s
+            # embeddings layout at Python's 5 ms (table3-17 has the shared layout at 5 ms). Limits sum to 240 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             step placement-05ms 110 python3 bench/placement.py --layouts embeddings,shared \
                 --llm-args "--switch-interval-ms 0.5"

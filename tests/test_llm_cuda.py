@@ -133,6 +133,7 @@ def test_cuda_graph_steps_equal_eager_steps(root, family):
             assert replays["decode"] and replays["mixed"], replays
             # the metric counts each replay on its path (a step's replay is one run call)
             assert (steps["decode_graph"], steps["mixed_graph"]) == (replays["decode"], replays["mixed"])
+            assert steps["eager"] == engine.steps - replays["decode"] - replays["mixed"]
         else:
             assert steps["decode_graph"] == steps["mixed_graph"] == 0 and steps["eager"] == engine.steps
     assert results[True] == results[False]

@@ -98,6 +98,11 @@ def test_a_packed_steps_positions_are_each_chunks_own_in_order():
     assert got.dtype == torch.int64 and got.shape == (3, len(want))
     assert got.t().tolist() == want
     assert image[1] != 0  # the delta is exercised
+    # An M-RoPE model whose step holds text-only prompts: nothing to patch in, the three axes equal.
+    text = PackedPositions(mrope=True)
+    text.add(chunks[2])
+    text.pad(1)
+    assert text.tensor().t().tolist() == expected(chunks[2]) + [[0, 0, 0]]
     # A model without M-RoPE: plain 1-D positions, whatever the prompt holds.
     flat = PackedPositions(mrope=False)
     for c in chunks:

@@ -245,6 +245,7 @@ class LLMEngine:
             log.exception("engine step failed")
             self._fail([c.seq for c in step.chunks], exc)
             return None
+        self._step_counters[inflight.path].inc()  # launched: counted even if it fails or shutdown drops it
         inflight.pending = self.scheduler.advance(step)
         for seq_id in inflight.pending:
             seq = self._live.get(seq_id)
@@ -288,7 +289,6 @@ class LLMEngine:
                 if scores is not None:  # else its first token (and the scores with it) has gone out already
                     scores[first:first + len(rows)] = rows
         self.steps += 1
-        self._step_counters[inflight.path].inc()
         self.metrics.batch_size.observe(len(step.chunks))
         self.metrics.batch_tokens.observe(step.num_tokens)
         self.metrics.prompt_tokens_total.inc(sum(c.length for c in step.chunks if c.is_prefill))

@@ -132,7 +132,7 @@ class InFlight:
     `path`: how it ran (`StepInputs.path`)."""
 
     def __init__(self, step: Step, chunks: list[Chunk], tokens: torch.Tensor | None, logprobs: torch.Tensor | None,
-                 scored: PromptScores | None = None, *, path: str = "eager"):
+                 scored: PromptScores | None = None, *, path: str):
         self.step = step
         self.path = path
         self._chunks = chunks
