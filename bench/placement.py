@@ -40,6 +40,7 @@ from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
 from modalmesh.testing import tiny  # noqa: E402
+from services.llm.step_inputs import STEP_PATHS  # noqa: E402  (modalmesh_engine_steps_total)
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 LAYOUTS = {  # name: (GPUs of the vision replicas, GPU of the LLM)
@@ -99,9 +100,9 @@ def embedding_items(ckpt: Path, side: int, count: int, seed: int, dtype) -> list
 
     cfg = json.loads((ckpt / "config.json").read_text())
     grid = ImageGrid.from_preprocessor(json.loads((ckpt / "preprocessor_config.json").read_text()))
-    h, w = smart_resize(side, side, grid.patch_size * grid.merge_size, grid.min_pixels, grid.max_pixels)
-    thw = [1, h // grid.patch_size, w // grid.patch_size]
-    rows = grid.rows(side, side)
+    factor = grid.patch_size * grid.merge_size
+    h, w = smart_resize(side, side, factor, grid.min_pixels, grid.max_pixels)
+    thw, rows = [1, h // grid.patch_size, w // grid.patch_size], (h // factor) * (w // factor)
     hidden = cfg.get("text_config", cfg)["hidden_size"]
     gen = torch.Generator().manual_seed(seed)
     return [pb.MultimodalItem(modality=pb.IMAGE, embedding=pb.Embedding(
@@ -143,8 +144,9 @@ def metric(proc: ServiceProcess, name: str, **labels) -> float:
     return total(scrape(proc.metrics_port), name, **labels)
 
 
-def encode_count(proc: ServiceProcess) -> float:
-    return metric(proc, "modalmesh_requests_total", rpc="Encode", code="OK")
+def encode_count(samples: list) -> float:
+    """Encode calls answered OK, in one scrape of a vision replica."""
+    return total(samples, "modalmesh_requests_total", rpc="Encode", code="OK")
 
 
 # Where a request's time goes, as the services see it: (row, service, histogram, labels). The LLM's set-up
@@ -171,13 +173,16 @@ PHASES = (
 )
 # The LLM's engine steps over the load: how many, and their mean sequences and tokens (batch_size, batch_tokens).
 STEP_HISTOGRAMS = ("modalmesh_batch_size", "modalmesh_batch_tokens")
-STEP_PATHS = ("decode_graph", "mixed_graph", "eager")  # modalmesh_engine_steps_total
 STEP_PHASES = ("schedule", "model", "post")  # modalmesh_engine_step_phase_seconds_total
 
 
-def phase_totals(procs: dict[str, list[ServiceProcess]]) -> dict[str, tuple[float, float]]:
-    """Each phase's (sum, count) over its services' replicas, from one scrape of each."""
-    samples = {svc: [scrape(p.metrics_port) for p in replicas] for svc, replicas in procs.items()}
+def scrape_services(procs: dict[str, list[ServiceProcess]]) -> dict[str, list[list]]:
+    """One scrape of each replica of each service."""
+    return {svc: [scrape(p.metrics_port) for p in replicas] for svc, replicas in procs.items()}
+
+
+def phase_totals(samples: dict[str, list[list]]) -> dict[str, tuple[float, float]]:
+    """Each phase's (sum, count) over its services' replicas (`scrape_services`)."""
     return {col: (sum(total(s, name + "_sum", **labels) for s in samples[svc]),
                   sum(total(s, name + "_count", **labels) for s in samples[svc]))
             for col, svc, name, labels in PHASES}
@@ -242,13 +247,14 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
             items = embedding_items(ckpt, args.side, args.requests, 0, dtype)
         asyncio.run(load(llm.target, warm, len(warm), 2))  # first calls: graphs, kernels, channels
         services = {"llm": [llm], "vision": visions}
-        before, phases = [encode_count(v) for v in visions], phase_totals(services)
-        steps = scrape(llm.metrics_port)
+        before = scrape_services(services)
         print(f"{name}: load starts", flush=True)  # a profiler attaches now (scripts/device.sh)
         stats = asyncio.run(load(llm.target, items, args.concurrency, args.output_len))
-        stats["encode_calls_per_replica"] = [encode_count(v) - b for v, b in zip(visions, before)]
-        stats["phase_mean_ms"] = phase_means_ms(phases, phase_totals(services))
-        stats["llm_steps"] = step_stats(steps, scrape(llm.metrics_port), stats["wall_s"])
+        after = scrape_services(services)
+        stats["encode_calls_per_replica"] = [encode_count(a) - encode_count(b)
+                                             for a, b in zip(after["vision"], before["vision"])]
+        stats["phase_mean_ms"] = phase_means_ms(phase_totals(before), phase_totals(after))
+        stats["llm_steps"] = step_stats(before["llm"][0], after["llm"][0], stats["wall_s"])
         stats["layout"] = name
         return stats
     finally:

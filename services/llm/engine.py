@@ -30,6 +30,7 @@ from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
 from services.llm.sampling import SamplerRow, SamplingParams, unpack_logprobs, unpack_prompt_scores
 from services.llm.scheduler import PENDING, Scheduler, Sequence, SeqStatus
+from services.llm.step_inputs import STEP_PATHS
 from modalmesh.kv.page_keys import ItemRows
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,7 @@ class LLMEngine:
         self.phase_seconds = {"schedule": 0.0, "model": 0.0, "post": 0.0}
         self._phase_counters = {phase: metrics.engine_step_phase_seconds_total.labels(phase=phase)
                                 for phase in self.phase_seconds}
-        self._step_counters = {path: metrics.engine_steps_total.labels(path=path)
-                               for path in ("decode_graph", "mixed_graph", "eager")}
+        self._step_counters = {path: metrics.engine_steps_total.labels(path=path) for path in STEP_PATHS}
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:

@@ -38,6 +38,9 @@ STEP, STOP = 1, 2
 DEFAULT_CAPACITY = 8192  # int64 words in one broadcast: 64 KiB
 
 
+STEP_PATHS = ("decode_graph", "mixed_graph", "eager")  # how a step runs (`StepInputs.path`)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Everything a rank needs to run one forward of the step; identical on every rank."""
@@ -85,7 +88,7 @@ class StepInputs:
 
     @property
     def path(self) -> str:
-        """How the step runs: decode_graph, mixed_graph or eager (`modalmesh_engine_steps_total`)."""
+        """How the step runs, one of `STEP_PATHS` (`modalmesh_engine_steps_total`)."""
         return "decode_graph" if self.graph_batch else "mixed_graph" if self.graph_tokens else "eager"
 
     def with_carried_ids(self, previous_tokens: torch.Tensor) -> StepInputs:
