@@ -40,7 +40,6 @@
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
 #   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
 #   bash scripts/device.sh gil-17                # issue 17: the engine process's GIL switch interval, A/B by layout
-#   bash scripts/device.sh gil-min-17            # gil-17's embeddings A/B alone (150 s)
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -550,13 +549,6 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step placement-05ms 110 python3 bench/placement.py --layouts embeddings,shared \
                 --llm-args "--switch-interval-ms 0.5"
             step placement-5ms 70 python3 bench/placement.py --layouts embeddings
-            for f in placement-05ms placement-5ms; do echo "-- $f"
-                grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done ;;
-        gil-min-17)  # gil-17 cut to what a nearly spent budget allows: the embeddings layout (the LLM alone) at the
-            # engine process's 0.5 ms GIL switch interval, then at Python's 5 ms, 512 requests each. Limits sum to 150 s
-            step placement-05ms 75 python3 bench/placement.py --layouts embeddings --requests 512 \
-                --llm-args "--switch-interval-ms 0.5"
-            step placement-5ms 75 python3 bench/placement.py --layouts embeddings --requests 512
             for f in placement-05ms placement-5ms; do echo "-- $f"
                 grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
