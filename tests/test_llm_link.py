@@ -10,11 +10,14 @@
 import asyncio
 import os
 import signal
+import struct
 import threading
 import time
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from modalmesh import pb
 from modalmesh.errors import InvalidArgument, ResourceExhausted
@@ -23,8 +26,8 @@ from modalmesh.testing import tiny
 from services.llm.core import LinkSink
 from services.llm.engine import LLMEngine, SinkEmitter
 from services.llm.inputs import PreparedPrompt
-from services.llm.link import (MESSAGES, CallFailed, FrameReader, FrameSender, GenerateCall, StepDeltas, decode,
-                               encode, error_info, raise_error, socket_pair)
+from services.llm.link import (MESSAGES, CallFailed, FrameReader, FrameSender, GenerateCall, StepDeltas, _FrameProtocol,
+                               decode, encode, error_info, raise_error, socket_pair)
 from services.llm.request import Delta
 from services.llm.sampling import SamplingParams
 from services.llm.server import _response
@@ -61,6 +64,85 @@ def test_frames_cross_whole_and_in_order_from_two_threads_and_a_closed_end_reads
     assert got[0].rows[0][3] == "0" and isinstance(got[0].rows[0][2][0], int)  # fields come back as they went
     assert after_close is None
     assert sender.send(StepDeltas([])) is False  # a send after the close is dropped, not raised
+
+
+class _Transport:
+    """What `_FrameProtocol` calls of its transport: pause and resume, recorded."""
+
+    def __init__(self):
+        self.paused = False
+        self.pauses = 0
+
+    def pause_reading(self):
+        assert not self.paused
+        self.paused, self.pauses = True, self.pauses + 1
+
+    def resume_reading(self):
+        assert self.paused
+        self.paused = False
+
+
+def _feed(protocol, data: bytes, cuts) -> None:
+    """`data` into `protocol` as a transport's recv_into would: at most what each read (from `cuts`) and the
+    buffer `get_buffer` lent allow."""
+    at, cuts = 0, iter(cuts)
+    while at < len(data):
+        buf = protocol.get_buffer(-1)
+        assert len(buf) > 0
+        n = min(len(buf), len(data) - at, next(cuts, len(data)))
+        buf[:n] = data[at:at + n]
+        protocol.buffer_updated(n)
+        at += n
+
+
+_SIZES = st.one_of(st.integers(0, 40), st.integers(_FrameProtocol._CHUNK - 16, _FrameProtocol._CHUNK + 16),
+                   st.integers(0, 3 * _FrameProtocol._CHUNK))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(_SIZES, min_size=1, max_size=8), cuts=st.lists(st.integers(1, 600_000), max_size=40),
+       seed=st.integers(0, 255))
+def test_frames_come_out_whole_however_the_reads_cut_them(sizes, cuts, seed):
+    """The reader's own buffer handling against the frames sent: small frames many to a read, a frame cut
+    anywhere (its header too), frames larger than the shared buffer read into their own, an empty one."""
+    payloads = [bytes((seed + i + j) % 251 for j in range(size)) for i, size in enumerate(sizes)]
+    data = b"".join(struct.pack("<Q", len(p)) + p for p in payloads)
+    protocol = _FrameProtocol()
+    protocol.connection_made(_Transport())
+    _feed(protocol, data, cuts)
+    protocol.eof_received()
+
+    async def drain():
+        return [bytes(p) async for p in _payloads(protocol)]
+
+    assert asyncio.run(drain()) == payloads
+
+
+async def _payloads(protocol):
+    while (payload := await protocol.next_payload()) is not None:
+        yield payload
+
+
+def test_reading_pauses_while_unread_frames_pile_up_and_resumes_once_taken():
+    transport = _Transport()
+    protocol = _FrameProtocol()
+    protocol.connection_made(transport)
+    frame = struct.pack("<Q", 1 << 20) + bytes(1 << 20)
+    count = _FrameProtocol._PAUSE_BYTES // (1 << 20) + 1  # one past the bound
+    _feed(protocol, frame * count, [])
+    assert transport.paused and transport.pauses == 1
+
+    async def take(n):
+        return [await protocol.next_payload() for _ in range(n)]
+
+    resume_at = count - _FrameProtocol._PAUSE_BYTES // 2 // (1 << 20)  # frames taken when half the bound is left
+    asyncio.run(take(resume_at - 1))
+    assert transport.paused
+    asyncio.run(take(1))
+    assert not transport.paused  # the sender may go on
+    protocol.connection_lost(None)
+    assert len(asyncio.run(take(count - resume_at))) == count - resume_at  # what arrived before the close
+    assert asyncio.run(protocol.next_payload()) is None
 
 
 def test_every_message_crosses_as_plain_values_and_comes_back_equal():
