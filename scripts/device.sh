@@ -39,7 +39,7 @@
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
 #   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
-#   bash scripts/device.sh gil-17                # issue 17: the engine process's GIL switch interval, A/B by layout
+#   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B, then py-spy
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -542,15 +542,19 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
-        gil-17)  # issue 17: the engine process's GIL switch interval, image+text with the packed positions in Python
-            # ints: the M-RoPE CUDA tests, the embeddings (LLM alone) and shared layouts at 0.5 ms, then the
-            # embeddings layout at Python's 5 ms (table3-17 has the shared layout at 5 ms). Limits sum to 240 s
+        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), then image+text in the embeddings
+            # layout (the LLM alone) on the code before (.prev: `git archive 438797b`, carried: StreamReader frames,
+            # positions per chunk) and on this tree, at Python's 5 ms GIL switch interval and at 0.5 ms (shared
+            # too); then the embeddings load with py-spy attached. 1,024 requests a layout. Limits sum to about 500 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
-            step placement-05ms 110 python3 bench/placement.py --layouts embeddings,shared \
+            step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
+                --layouts embeddings --requests 1024'
+            step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests 1024
+            step placement-05ms 150 python3 bench/placement.py --layouts embeddings,shared --requests 1024 \
                 --llm-args "--switch-interval-ms 0.5"
-            step placement-5ms 70 python3 bench/placement.py --layouts embeddings
-            for f in placement-05ms placement-5ms; do echo "-- $f"
-                grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done ;;
+            for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
+                grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done
+            profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
