@@ -319,7 +319,7 @@ class EngineCore:
         with tracing.within(tracing.extract(message.metadata)):
             try:
                 request = pb.GenerateRequest.FromString(message.request)
-                await self._add(call, request, message.timeout, clock)
+                await self._add(call, request, len(message.request), message.timeout, clock)
             except asyncio.CancelledError:  # the edge ended the call (client gone, deadline): nobody to tell
                 self._abort_added(call)
             except Exception as exc:  # noqa: BLE001 - the edge raises it again with its status
@@ -334,10 +334,10 @@ class EngineCore:
             self.engine.abort(rid)
         call.added = 0
 
-    async def _add(self, call: _Call, request: pb.GenerateRequest, timeout: float | None,
+    async def _add(self, call: _Call, request: pb.GenerateRequest, request_bytes: int, timeout: float | None,
                    clock: SetupClock) -> None:
-        """Validate and tokenise `request`, resolve its items and add its choices to the engine; each stage
-        timed on `clock`."""
+        """Validate and tokenise `request` (`request_bytes` long as received), resolve its items and add its
+        choices to the engine; each stage timed on `clock`."""
         cfg = self.model_config
         limits = self.config.limits
         params = SamplingParams.from_proto(request.sampling, default_max_tokens=0, vocab_size=cfg.vocab_size,
@@ -363,7 +363,7 @@ class EngineCore:
         try:
             # Prompt logprobs need every prompt row computed: such a request neither reads the cache nor pins it.
             caching = self.config.prefix_caching and params.prompt_logprobs is None
-            digests = await item_digests(items) if items and caching else []
+            digests = await item_digests(items, request_bytes) if items and caching else []
             skip: set[int] = set()
             if digests:
                 plan = plan_prefix(ids, items, digests, self.item_shapes, cfg, self.config.page_size)
