@@ -542,16 +542,18 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
-        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), then image+text in the embeddings
+        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text in the embeddings
             # layout (the LLM alone) on the code before (.prev: `git archive 438797b`, carried: StreamReader frames,
             # positions per chunk) and on this tree, at Python's 5 ms GIL switch interval and at 0.5 ms (shared
-            # too); then the embeddings load with py-spy attached. 1,024 requests a layout. Limits sum to about 500 s
+            # too); then the embeddings load with py-spy attached. 1,024 requests a layout. Limits sum to about 540 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
+            step link-bench 40 python3 bench/link.py
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
                 --layouts embeddings --requests 1024'
             step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests 1024
             step placement-05ms 150 python3 bench/placement.py --layouts embeddings,shared --requests 1024 \
                 --llm-args "--switch-interval-ms 0.5"
+            tail -5 "$OUT/link-bench.log"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
                 grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
