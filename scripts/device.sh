@@ -77,11 +77,11 @@ gpu_util_start() {  # nvidia-smi's utilisation every 200 ms into $OUT/gpu-util.l
 }
 gpu_util_stop() { kill "$SMI"; }
 
-profile_placement() {  # profile_placement NAME LAYOUT REQUESTS: bench/placement.py on GPU 0, py-spy attached once its
+profile_placement() {  # profile_placement NAME LAYOUT REQUESTS [LLM_ARGS]: bench/placement.py on GPU 0, py-spy attached once its
     # load runs (every process's threads, idle included, then who holds the GIL); $OUT/NAME-summary.txt and -prof.tgz
     local name=$1 log="$OUT/placement-$2-prof.log" P="$OUT/prof"
     mkdir -p "$P"
-    env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts "$2" --requests "$3" >"$log" 2>&1 &
+    env CUDA_VISIBLE_DEVICES=0 python3 bench/placement.py --layouts "$2" --requests "$3" --llm-args "${4:-}" >"$log" 2>&1 &
     local load=$!
     for _ in $(seq 300); do grep -q "load starts" "$log" 2>/dev/null && break; kill -0 "$load" || break; sleep 1; done
     sleep 3  # past the first wave's start
@@ -542,21 +542,22 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
-        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text in the embeddings
-            # layout (the LLM alone) on the code before (.prev: `git archive 438797b`, carried: StreamReader frames,
-            # positions per chunk) and on this tree, at Python's 5 ms GIL switch interval and at 0.5 ms (shared
-            # too); then the embeddings load with py-spy attached. 1,024 requests a layout. Limits sum to about 540 s
+        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text
+            # in the embeddings layout (the LLM alone), 1,024 requests, on the code before (.prev: `git archive
+            # 438797b`, carried: StreamReader frames, positions per chunk, a decode per token) and on this tree at
+            # Python's 5 ms GIL switch interval and at 0.5 ms; then that load at 0.5 ms with py-spy attached.
+            # Limits sum to about 440 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
-            step link-bench 40 python3 bench/link.py
+            step link-bench 30 python3 bench/link.py --frames 100
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
                 --layouts embeddings --requests 1024'
             step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests 1024
-            step placement-05ms 150 python3 bench/placement.py --layouts embeddings,shared --requests 1024 \
+            step placement-05ms 90 python3 bench/placement.py --layouts embeddings --requests 1024 \
                 --llm-args "--switch-interval-ms 0.5"
             tail -5 "$OUT/link-bench.log"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
-                grep -E "^ +(embeddings|shared) \|" "$OUT/$f.log"; done
-            profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done
+            profile_placement where-17 embeddings "${REQUESTS:-1024}" "--switch-interval-ms 0.5" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
