@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from modalmesh.testing import tiny
-from services.llm.detokenizer import IncrementalDetokenizer, add_all
+from services.llm.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -75,42 +75,3 @@ def test_include_stop_str_keeps_the_stop_string_and_min_tokens_lets_an_early_one
     first_stop = next(i for i in range(1, len(ids) + 1) if ", t" in tokenizer.decode(ids[:i]))
     late, detok = _stream(tokenizer, [], ids, stop=(", t",), min_tokens=first_stop + 1)
     assert "".join(late) == "one, two" and detok.stopped
-
-
-def test_a_steps_tokens_detokenised_together_equal_each_sequence_detokenised_alone(tokenizer):
-    """`add_all` (the engine's one batched decode a step) against `add` one sequence at a time: the same text
-    for every sequence at every step, stop strings, skipped or kept special tokens and split characters
-    included; sequences stop at different steps."""
-    rng = random.Random(1)
-    vocab = len(tokenizer)
-    pieces = tokenizer("Héllo wörld 🙂🚀 日本語 one, two<|im_end|> three")["input_ids"]
-    stopper = tokenizer(" x, two 🚀 y")["input_ids"]
-    # Random tokens, then (at a different step each) a text with both stop strings, then random tokens again.
-    streams = [[rng.choice(pieces) if rng.random() < 0.6 else rng.randrange(vocab) for _ in range(i)] + stopper
-               + [rng.randrange(vocab) for _ in range(30)] for i in range(12)]
-    options = [dict(skip_special_tokens=i % 3 != 0, stop=(", t", "🚀") if i % 2 else (), min_tokens=i % 4)
-               for i in range(len(streams))]
-    alone = [IncrementalDetokenizer(tokenizer, [1, 2, 3], **o) for o in options]
-    together = [IncrementalDetokenizer(tokenizer, [1, 2, 3], **o) for o in options]
-    assert together[0].batch_decode is not None  # this tokenizer takes the batched path
-    calls = []
-    batch = together[0].batch_decode
-    together[0].batch_decode = lambda ids, skip: calls.append(len(ids)) or batch(ids, skip)
-    stopped_at = set()
-    for step in range(30):
-        live = [i for i in range(len(streams)) if not alone[i].stopped]
-        expected = [alone[i].add(streams[i][step]) for i in live]
-        got = add_all([(together[i], streams[i][step]) for i in live]) if live else []
-        assert got == expected, step
-        stopped_at |= {step for i in live if alone[i].stopped}
-    assert len(stopped_at) > 1  # sequences stopped at different steps
-    assert [d.finish() for d in together] == [d.finish() for d in alone]
-    assert [d.text for d in together] == [d.text for d in alone]
-    # One decode per setting of skip_special_tokens a step, both windows of every sequence in it.
-    assert calls and max(calls) == 2 * sum(1 for o in options if o["skip_special_tokens"])
-
-
-def test_a_detokenizer_twice_in_one_step_adds_its_tokens_in_order(tokenizer):
-    ids = tokenizer("Héllo wörld 🙂")["input_ids"]
-    a, b = IncrementalDetokenizer(tokenizer, []), IncrementalDetokenizer(tokenizer, [])
-    assert "".join(add_all([(a, t) for t in ids]) + [a.finish()]) == "".join([b.add(t) for t in ids] + [b.finish()])

@@ -16,44 +16,20 @@ from services.llm.stops import StopMatcher
 _CONTEXT_TOKENS = 5
 
 
-def fast_batch_decoder(tokenizer):
-    """`decode(list_of_ids, skip_special_tokens) -> texts` in one call of the Rust tokenizer, which lets go of the
-    GIL while it decodes (and, for one list, several times cheaper than `tokenizer.decode`: that adds up over
-    hundreds of sequences a step); None where `tokenizer.decode` is more than that (a clean-up pass)."""
+def fast_decoder(tokenizer):
+    """The Rust tokenizer's own decode when that is what `tokenizer.decode` amounts to (no clean-up pass):
+    several times cheaper per call, which adds up over a batch of hundreds of sequences every step."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
+        return tokenizer.decode
     vocab = backend.get_vocab_size(with_added_tokens=True)
 
-    def decode(batch, skip_special_tokens=True):
+    def decode(ids, skip_special_tokens=True):
         # The slow path's behaviour for ids past the vocabulary (random weights can produce them): skipped.
-        batch = [[i for i in ids if 0 <= i < vocab] if max(ids, default=0) >= vocab else ids for ids in batch]
-        if len(batch) == 1:  # decode_batch's thread pool costs more than it saves for one
-            return [backend.decode(batch[0], skip_special_tokens=skip_special_tokens)]
-        return backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
+        return backend.decode([i for i in ids if 0 <= i < vocab] if max(ids, default=0) >= vocab else ids,
+                              skip_special_tokens=skip_special_tokens)
 
     return decode
-
-
-def add_all(pairs: list[tuple[IncrementalDetokenizer, int]]) -> list[str]:
-    """`detokenizer.add(token)` for each pair, in order: one step's tokens for every sequence. Their windows are
-    decoded in one batch per setting of `skip_special_tokens` where the tokenizer allows it: the engine thread
-    then holds the GIL for one call a step, not two per sequence (11 % of its GIL samples under image+text load,
-    py-spy on the H200, issue 17). Each detokenizer at most once (a second token must see the first's text)."""
-    first = pairs[0][0]
-    batch = first.batch_decode
-    if (len(pairs) == 1 or batch is None or len({id(d) for d, _ in pairs}) < len(pairs)
-            or any(d.tokenizer is not first.tokenizer for d, _ in pairs)):
-        return [d.add(t) for d, t in pairs]
-    windows = [d.push(t) for d, t in pairs]
-    texts: list[tuple[str, str] | None] = [None] * len(pairs)
-    for skip in (True, False):
-        todo = [i for i, w in enumerate(windows) if w is not None and pairs[i][0].skip_special_tokens is skip]
-        if todo:
-            decoded = batch([ids for i in todo for ids in windows[i]], skip)
-            for k, i in enumerate(todo):
-                texts[i] = decoded[2 * k], decoded[2 * k + 1]
-    return ["" if t is None else d.settle(*t) for (d, _), t in zip(pairs, texts)]
 
 
 class IncrementalDetokenizer:
@@ -61,9 +37,7 @@ class IncrementalDetokenizer:
                  stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.batch_decode = fast_batch_decoder(tokenizer)
-        self._decode_fn = tokenizer.decode if self.batch_decode is None else (
-            lambda ids, skip_special_tokens: self.batch_decode([ids], skip_special_tokens)[0])
+        self._decode_fn = fast_decoder(tokenizer)
         self.stop = tuple(stop)
         self.include_stop = include_stop  # keep the stop string that ended the text (vLLM's option)
         self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (as vLLM)
@@ -82,22 +56,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one token; returns the text that became final (may be "")."""
-        windows = self.push(token_id)
-        if windows is None:
-            return ""
-        return self.settle(*(self._decode(ids) for ids in windows))
-
-    def push(self, token_id: int) -> tuple[list[int], list[int]] | None:
-        """`add`'s first half: the token appended, and the two windows whose texts `settle` takes (the text
-        before the token and with it); None once stopped."""
         if self.stopped:
-            return None
+            return ""
         self.ids.append(token_id)
         self.num_tokens += 1
-        return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
-
-    def settle(self, prefix_text: str, new_text: str) -> str:
-        """`add`'s second half, with the windows' texts."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             final = new_text[len(prefix_text):]
             self.text += final

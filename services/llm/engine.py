@@ -24,7 +24,7 @@ import torch
 
 from modalmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from modalmesh.metrics import Metrics
-from services.llm.detokenizer import IncrementalDetokenizer, add_all
+from services.llm.detokenizer import IncrementalDetokenizer
 from services.llm.inputs import PreparedPrompt
 from services.llm.request import Delta, RequestState
 from services.llm.runner import InFlight, ModelRunner, Sampled
@@ -312,14 +312,9 @@ class LLMEngine:
         """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
         t0 = time.perf_counter()
         batched: dict[DeltaSink, list] = {}
-        # Every token's text in one pass (batched decodes); a token that ended its sequence (EOS, a stop token)
-        # is not part of the text.
-        adding = [(s.chunk.seq.state.detokenizer, s.token) for s, _, finish in ended if finish != "stop"]
-        texts = iter(add_all(adding) if adding else ())
         for s, index, finish in ended:
             state = s.chunk.seq.state
-            text = None if finish == "stop" else next(texts)
-            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now, text)
+            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now)
             if isinstance(state.emit, SinkEmitter):
                 batched.setdefault(state.emit.sink, []).append((state.emit.dest, delta))
             else:
@@ -332,8 +327,7 @@ class LLMEngine:
         self._lap("post", time.perf_counter() - t0)
 
     def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob, finish: str | None,
-                  now: float, added: str | None) -> Delta:
-        """`added`: the text `token` made final (its detokenizer's `add`), None when `finish` is "stop"."""
+                  now: float) -> Delta:
         state = seq.state
         params = state.params
         first = state.last_token_at is None
@@ -349,7 +343,7 @@ class LLMEngine:
         if finish == "stop":  # EOS or a stop token: not part of the text
             text = state.detokenizer.finish()
         else:
-            text = added
+            text = state.detokenizer.add(token)
             if state.detokenizer.stopped:  # a stop string: ends the sequence, whatever `advance` said
                 finish = self._stop(seq, index)
             elif finish == "length":
