@@ -16,7 +16,7 @@ import time
 
 import grpc
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from modalmesh import pb
@@ -95,13 +95,21 @@ def _feed(protocol, data: bytes, cuts) -> None:
         at += n
 
 
-_SIZES = st.one_of(st.integers(0, 40), st.integers(_FrameProtocol._CHUNK - 16, _FrameProtocol._CHUNK + 16),
-                   st.integers(0, 3 * _FrameProtocol._CHUNK))
+_SIZES = st.one_of(st.integers(0, 40), st.integers(_FrameProtocol._SHARED_BYTES - 16, _FrameProtocol._SHARED_BYTES + 16),
+                   st.integers(0, 3 * _FrameProtocol._SHARED_BYTES))
+
+
+_SHARED = _FrameProtocol._SHARED_BYTES
 
 
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(_SIZES, min_size=1, max_size=8), cuts=st.lists(st.integers(1, 600_000), max_size=40),
        seed=st.integers(0, 255))
+# The edges, every run: a header split across the shared buffer's end, a large frame's header the last thing read
+# (none of its body yet), a frame that just fits the shared buffer and one a byte past it, an empty last frame.
+@example(sizes=[_SHARED - 13, 40], cuts=[_SHARED - 5, 3], seed=0)
+@example(sizes=[10, 2 * _SHARED], cuts=[26], seed=1)
+@example(sizes=[_SHARED - 8, _SHARED - 7, 0], cuts=[], seed=2)
 def test_frames_come_out_whole_however_the_reads_cut_them(sizes, cuts, seed):
     """The reader's own buffer handling against the frames sent: small frames many to a read, a frame cut
     anywhere (its header too), frames larger than the shared buffer read into their own, an empty one."""
@@ -121,6 +129,22 @@ def test_frames_come_out_whole_however_the_reads_cut_them(sizes, cuts, seed):
 async def _payloads(protocol):
     while (payload := await protocol.next_payload()) is not None:
         yield payload
+
+
+def test_a_connection_lost_mid_frame_wakes_the_waiting_reader_with_none():
+    """A reset (no EOF) while `recv` waits, half a frame read: the waiter ends with None, not a hang."""
+    protocol = _FrameProtocol()
+    protocol.connection_made(_Transport())
+
+    async def main():
+        waiting = asyncio.ensure_future(protocol.next_payload())
+        _feed(protocol, struct.pack("<Q", 100) + bytes(40), [])
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        protocol.connection_lost(ConnectionResetError())
+        return await asyncio.wait_for(waiting, 5)
+
+    assert asyncio.run(main()) is None
 
 
 def test_reading_pauses_while_unread_frames_pile_up_and_resumes_once_taken():

@@ -161,7 +161,7 @@ def encode(message) -> bytes:
     return _HEADER.pack(len(payload)) + payload
 
 
-def decode(payload: bytes):
+def decode(payload: bytes | memoryview):
     tag, *fields = msgpack.unpackb(payload, raw=False, use_list=False)
     cls = MESSAGES[tag]
     if cls in _ERROR_FIELD:
@@ -204,15 +204,15 @@ class FrameSender:
 class FrameReader:
     """Frames off a socket on an event loop; `recv` gives None once the other end has closed.
 
-    The socket is read with `recv_into` straight into the frame's own buffer (`_FrameProtocol`), which lets go of
-    the GIL for the kernel's copy. asyncio's StreamReader received 256 KB `bytes`, appended each to its
+    The socket is read with `recv_into` (`_FrameProtocol`), which lets go of the GIL for the kernel's copy: a frame
+    larger than the shared buffer straight into a buffer of its own, smaller ones many to a read. asyncio's StreamReader received 256 KB `bytes`, appended each to its
     buffer and sliced the frame out again, all holding the GIL: for the 1.8 MB frame of an image embedding's
     request that was 19 % of the engine process's loop's GIL samples, while the engine thread waited for the GIL
     to launch its step (py-spy on the H200, issue 17).
     """
 
     def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol):
-        self._transport = transport
+        self._transport = transport  # held with the protocol: the connection lives as long as this reader
         self._protocol = protocol
 
     @classmethod
@@ -232,11 +232,11 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     larger than it read into a buffer of its own size. Reading pauses while `_PAUSE_BYTES` of frames wait for
     `next_payload`, so a slow consumer holds the other end's sender back instead of growing this process."""
 
-    _CHUNK = 256 << 10
+    _SHARED_BYTES = 256 << 10
     _PAUSE_BYTES = 2 * _BUFFER_BYTES
 
     def __init__(self):
-        self._buf = bytearray(self._CHUNK)
+        self._buf = bytearray(self._SHARED_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # the unread bytes of `_buf`
         self._big: memoryview | None = None  # a frame too large for `_buf`, being filled
@@ -268,10 +268,10 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self._big = None
         else:
             self._end += nbytes
-            self._split()
+            self._take_frames()
         self._wake()
 
-    def _split(self) -> None:
+    def _take_frames(self) -> None:
         while self._end - self._start >= _HEADER.size:
             (size,) = _HEADER.unpack_from(self._buf, self._start)
             begin = self._start + _HEADER.size
