@@ -544,9 +544,9 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
         frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text
             # in the embeddings layout (the LLM alone), 1,024 requests, on the code before (.prev: `git archive
-            # 438797b`, carried: StreamReader frames, positions per chunk, a decode per token) and on this tree at
-            # Python's 5 ms GIL switch interval and at 0.5 ms; then that load at 0.5 ms with py-spy attached;
-            # batch 256 in process (the post phase: one batched decode a step). Limits sum to about 530 s
+            # 438797b`, carried: StreamReader frames, positions per chunk, digests sized by ByteSize) and on this
+            # tree at Python's 5 ms GIL switch interval and at 0.5 ms; then that load at 0.5 ms with py-spy
+            # attached. Limits sum to about 440 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             step link-bench 30 python3 bench/link.py --frames 100
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
@@ -557,9 +557,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tail -5 "$OUT/link-bench.log"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
                 grep -E "^ +embeddings \|" "$OUT/$f.log"; done
-            profile_placement where-17 embeddings "${REQUESTS:-1024}" "--switch-interval-ms 0.5"
-            step llm-256 90 python3 bench/llm.py --batches 256 --no-hf
-            tail -4 "$OUT/llm-256.log" ;;
+            profile_placement where-17 embeddings "${REQUESTS:-1024}" "--switch-interval-ms 0.5" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
