@@ -39,7 +39,7 @@
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
 #   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
-#   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B, then py-spy
+#   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -540,13 +540,13 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step serve-table 140 python3 bench/serve.py --start --requests 4096
             step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
             tail -8 "$OUT/llm-table.log"; tail -12 "$OUT/serve-table.log"; tail -36 "$OUT/placement-emb.log" ;;
-        where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs
-            profile_placement where-17 embeddings "${REQUESTS:-1024}" ;;
+        where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs;
+            # LLM_ARGS: more LLM flags (e.g. "--switch-interval-ms 0.5")
+            profile_placement where-17 embeddings "${REQUESTS:-1024}" "${LLM_ARGS:-}" ;;
         frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text
             # in the embeddings layout (the LLM alone), 1,024 requests, on the code before (.prev: `git archive
             # 438797b`, carried: StreamReader frames, positions per chunk, digests sized by ByteSize) and on this
-            # tree at Python's 5 ms GIL switch interval and at 0.5 ms; then that load at 0.5 ms with py-spy
-            # attached. Limits sum to about 440 s
+            # tree at Python's 5 ms GIL switch interval and at 0.5 ms. Limits sum to 360 s
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             step link-bench 30 python3 bench/link.py --frames 100
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
@@ -556,8 +556,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 --llm-args "--switch-interval-ms 0.5"
             tail -5 "$OUT/link-bench.log"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
-                grep -E "^ +embeddings \|" "$OUT/$f.log"; done
-            profile_placement where-17 embeddings "${REQUESTS:-1024}" "--switch-interval-ms 0.5" ;;
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
