@@ -543,20 +543,21 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
         where-17)  # issue 17: image+text in the embeddings layout (the LLM alone), py-spy attached once the load runs;
             # LLM_ARGS: more LLM flags (e.g. "--switch-interval-ms 0.5")
             profile_placement where-17 embeddings "${REQUESTS:-1024}" "${LLM_ARGS:-}" ;;
-        frames-17)  # issue 17 (2026-12-07): the M-RoPE CUDA tests (packed positions), bench/link.py, then image+text
-            # in the embeddings layout (the LLM alone), 1,024 requests, on the code before (.prev: `git archive
-            # 438797b`, carried: StreamReader frames, positions per chunk, digests sized by ByteSize) and on this
-            # tree at Python's 5 ms GIL switch interval and at 0.5 ms. Limits sum to 360 s
-            step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
-            step link-bench 30 python3 bench/link.py --frames 100
+        frames-17)  # issue 17 (2026-12-07): image+text in the embeddings layout (the LLM alone), 1,024 requests, on
+            # the code before (.prev: `git archive 438797b`, carried: StreamReader frames, positions per chunk,
+            # digests sized by ByteSize) and on this tree at Python's 5 ms GIL switch interval and at 0.5 ms; then
+            # the M-RoPE CUDA tests (packed positions) and bench/link.py. The A/B first: a call cut short by the
+            # budget still brings it back. Limits sum to 360 s
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
                 --layouts embeddings --requests 1024'
             step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests 1024
             step placement-05ms 90 python3 bench/placement.py --layouts embeddings --requests 1024 \
                 --llm-args "--switch-interval-ms 0.5"
-            tail -5 "$OUT/link-bench.log"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
-                grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done
+            step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
+            step link-bench 30 python3 bench/link.py --frames 100
+            tail -5 "$OUT/link-bench.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
