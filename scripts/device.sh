@@ -549,9 +549,9 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             # the M-RoPE CUDA tests (packed positions) and bench/link.py. The A/B first: a call cut short by the
             # budget still brings it back. Limits sum to 360 s
             step placement-prev 90 bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 bench/placement.py \
-                --layouts embeddings --requests 1024'
-            step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests 1024
-            step placement-05ms 90 python3 bench/placement.py --layouts embeddings --requests 1024 \
+                --layouts embeddings --requests "${REQUESTS:-1024}"'
+            step placement-5ms 90 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
+            step placement-05ms 90 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}" \
                 --llm-args "--switch-interval-ms 0.5"
             for f in placement-prev placement-5ms placement-05ms; do echo "-- $f"
                 grep -E "^ +embeddings \|" "$OUT/$f.log"; done
