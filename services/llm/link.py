@@ -205,10 +205,12 @@ class FrameReader:
     """Frames off a socket on an event loop; `recv` gives None once the other end has closed.
 
     The socket is read with `recv_into` (`_FrameProtocol`), which lets go of the GIL for the kernel's copy: a frame
-    larger than the shared buffer straight into a buffer of its own, smaller ones many to a read. asyncio's StreamReader received 256 KB `bytes`, appended each to its
-    buffer and sliced the frame out again, all holding the GIL: for the 1.8 MB frame of an image embedding's
-    request that was 19 % of the engine process's loop's GIL samples, while the engine thread waited for the GIL
-    to launch its step (py-spy on the H200, issue 17).
+    larger than the shared buffer straight into a buffer of its own, smaller ones many to a read. asyncio's
+    StreamReader received 256 KB `bytes`, appended each to its buffer and sliced the frame out again, all holding
+    the GIL: for the 1.8 MB frame of an image embedding's request that was 19 % of the engine process's loop's GIL
+    samples, while the engine thread waited for the GIL to launch its step (py-spy on the H200, issue 17). And
+    each read is a retake of the GIL, which beside a thread running Python can wait a whole switch interval:
+    fewer, larger reads wait fewer times (`bench/link.py`).
     """
 
     def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol):
