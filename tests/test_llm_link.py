@@ -95,11 +95,8 @@ def _feed(protocol, data: bytes, cuts) -> None:
         at += n
 
 
-_SIZES = st.one_of(st.integers(0, 40), st.integers(_FrameProtocol._SHARED_BYTES - 16, _FrameProtocol._SHARED_BYTES + 16),
-                   st.integers(0, 3 * _FrameProtocol._SHARED_BYTES))
-
-
 _SHARED = _FrameProtocol._SHARED_BYTES
+_SIZES = st.one_of(st.integers(0, 40), st.integers(_SHARED - 16, _SHARED + 16), st.integers(0, 3 * _SHARED))
 
 
 @settings(max_examples=60, deadline=None)
