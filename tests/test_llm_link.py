@@ -128,17 +128,23 @@ async def _payloads(protocol):
         yield payload
 
 
-def test_a_connection_lost_mid_frame_wakes_the_waiting_reader_with_none():
-    """A reset (no EOF) while `recv` waits, half a frame read: the waiter ends with None, not a hang."""
+@pytest.mark.parametrize("end", ["reset", "eof"])
+@pytest.mark.parametrize("partial", [40, 2 * _FrameProtocol._SHARED_BYTES])
+def test_the_other_end_gone_mid_frame_wakes_the_waiting_reader_with_none(end, partial):
+    """A reset (no EOF) or an EOF while `recv` waits, part of a small or a large frame read: the waiter ends with
+    None, not a hang, and the part is never handed out as a frame."""
     protocol = _FrameProtocol()
     protocol.connection_made(_Transport())
 
     async def main():
         waiting = asyncio.ensure_future(protocol.next_payload())
-        _feed(protocol, struct.pack("<Q", 100) + bytes(40), [])
+        _feed(protocol, struct.pack("<Q", 2 * partial) + bytes(partial), [])
         await asyncio.sleep(0)
         assert not waiting.done()
-        protocol.connection_lost(ConnectionResetError())
+        if end == "reset":
+            protocol.connection_lost(ConnectionResetError())
+        else:
+            protocol.eof_received()
         return await asyncio.wait_for(waiting, 5)
 
     assert asyncio.run(main()) is None
