@@ -5,7 +5,8 @@
 
 A sender process writes framed GenerateCalls as fast as the socket takes them; the reader receives and decodes
 them on an event loop, alone in its process ("idle"), then beside a thread that runs Python without pause
-("busy": the engine thread launching steps). Each row is frames per second and the reader's loop CPU per frame.
+("busy": the engine thread launching steps). Each row is frames per second and the reader's loop CPU per frame;
+the limit is one memcpy of each frame's bytes.
 
 Why the busy row matters: every read releases the GIL, and taking it back from a thread that runs Python waits up
 to the switch interval (5 ms by default). StreamReader's 256 KB reads cost a 1.8 MB frame about eight such waits;
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
 
 from services.llm import link  # noqa: E402
 
@@ -85,6 +88,19 @@ async def receive(reader_cls, frames: int, nbytes: int, busy: bool) -> tuple[flo
     return count / wall, cpu / count * 1e3
 
 
+def copy_limit(nbytes: int, repeats: int = 64) -> float:
+    """Frames per second if receiving a frame cost nothing but landing its bytes once: one single-threaded
+    memcpy of a frame into memory already mapped (the kernel's copy into the reader's buffer), rotating over
+    buffers of 128 MB in all so that the caches do not hold them (a frame arrives cold)."""
+    count = max(2, (64 << 20) // max(nbytes, 1))
+    src = [np.ones(nbytes, dtype=np.uint8) for _ in range(count)]
+    dst = [np.ones(nbytes, dtype=np.uint8) for _ in range(count)]
+    start = time.perf_counter()
+    for i in range(repeats):
+        np.copyto(dst[i % count], src[(i * 7 + 3) % count])
+    return repeats / (time.perf_counter() - start)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frame-mb", type=float, default=1.835, help="payload per frame (default: a 448^2 image's "
@@ -94,7 +110,9 @@ def main() -> int:
     args = parser.parse_args()
     frames = 20 if args.quick else args.frames
     nbytes = int(args.frame_mb * 1e6)
-    print(f"{frames} frames of {nbytes / 1e6:.2f} MB, switch interval {sys.getswitchinterval() * 1e3:.1f} ms")
+    limit = copy_limit(nbytes)
+    print(f"{frames} frames of {nbytes / 1e6:.2f} MB, switch interval {sys.getswitchinterval() * 1e3:.1f} ms; limit "
+          f"{limit:.0f} frames/s ({limit * nbytes / 1e9:.1f} GB/s: one memcpy of each frame, nothing else)")
     print(f"{'reader':>14} | {'beside':>12} | {'frames/s':>9} | {'loop CPU ms/frame':>17} | {'MB/s':>7}")
     for cls in (link.FrameReader, StreamFrameReader):  # unmeasured: the allocator's first faults are nobody's
         asyncio.run(receive(cls, max(4, frames // 10), nbytes, False))
