@@ -274,7 +274,7 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
 def test_the_engine_process_takes_its_gil_switch_interval_from_the_flag(ckpts):
     import sys
 
-    from services.llm.core import tune_interpreter
+    from modalmesh.interpreter import set_switch_interval
 
     model_dir = tiny.ensure("qwen2", ckpts)
     build = lambda **kw: LLMConfig.from_args(_args(**kw), model_dir, device=torch.device("cpu"),  # noqa: E731
@@ -287,9 +287,9 @@ def test_the_engine_process_takes_its_gil_switch_interval_from_the_flag(ckpts):
             build(switch_interval_ms=bad)
     before = sys.getswitchinterval()
     try:
-        tune_interpreter(build())
+        set_switch_interval(build().switch_interval_s)
         assert sys.getswitchinterval() == before  # None leaves Python's own
-        tune_interpreter(config)
+        set_switch_interval(config.switch_interval_s)
         assert sys.getswitchinterval() == pytest.approx(0.25e-3)
     finally:
         sys.setswitchinterval(before)

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from modalmesh.errors import ConfigError
+from modalmesh.interpreter import switch_interval_s
 
 MiB = 1 << 20
 
@@ -43,14 +44,13 @@ class EncoderServiceConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, model_options: Mapping[str, Any] | None = None
                   ) -> EncoderServiceConfig:
-        for flag, value in (("--batches-in-flight", args.batches_in_flight), ("--torch-threads", args.torch_threads),
-                            ("--switch-interval-ms", args.switch_interval_ms)):
+        for flag, value in (("--batches-in-flight", args.batches_in_flight), ("--torch-threads", args.torch_threads)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{flag} must be positive, not {value}")
         return cls(
             max_batch_tokens=args.max_batch_tokens, max_batch_items=args.max_batch_items,
             batch_window_s=args.batch_window_ms / 1e3, batches_in_flight=args.batches_in_flight,
-            switch_interval_s=None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3,
+            switch_interval_s=switch_interval_s(args.switch_interval_ms),
             torch_threads=args.torch_threads,
             max_queue=args.max_queue,
             max_items_per_request=args.max_items_per_request, cache_bytes=args.cache_mb * MiB,

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +22,7 @@ import torch
 from modalmesh import pb
 from modalmesh import tracing
 from modalmesh.errors import InvalidArgument
+from modalmesh.interpreter import set_switch_interval
 from modalmesh.rpc.codec import describe, nbytes
 from modalmesh.rpc.servicer import ForwardingServicer
 from modalmesh.rpc.shm import ShmExporter, shm_available
@@ -61,8 +61,7 @@ class EncoderService(Service):
         super().__init__(args, metrics)
         # The one place an encoder reads its flags: everything below takes this value.
         self.config = config = EncoderServiceConfig.from_args(args, self.model_options(args))
-        if config.switch_interval_s is not None:
-            sys.setswitchinterval(config.switch_interval_s)
+        set_switch_interval(config.switch_interval_s)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.model: EncoderModel | None = None

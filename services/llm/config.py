@@ -13,7 +13,6 @@ is spawned.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError
+from modalmesh.interpreter import switch_interval_s
 from modalmesh.rpc.security import INSECURE, Security
 from services.llm.limits import RequestLimits
 
@@ -92,9 +92,6 @@ class LLMConfig:
                 raise ConfigError(f"{flag} {value}: must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ConfigError(f"--kv-cache-tokens {self.kv_cache_tokens}: must be >= 1")
-        if self.switch_interval_s is not None and not (math.isfinite(self.switch_interval_s)
-                                                       and self.switch_interval_s > 0):
-            raise ConfigError(f"--switch-interval-ms {self.switch_interval_s * 1e3}: must be positive")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"--mem-fraction {self.mem_fraction}: must be in (0, 1]")
 
@@ -138,7 +135,7 @@ class LLMConfig:
             log_level=args.log_level, log_format=getattr(args, "log_format", "text"),
             gc_freeze=getattr(args, "gc_freeze", True), prefix_caching=not getattr(args, "no_prefix_caching", False),
             chat_template=read_chat_template(getattr(args, "chat_template", None)),
-            switch_interval_s=None if args.switch_interval_ms is None else args.switch_interval_ms / 1e3,
+            switch_interval_s=switch_interval_s(args.switch_interval_ms),
         )
 
 

@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from modalmesh import metrics as metrics_mod
 from modalmesh.config import ModelConfig
 from modalmesh.errors import ConfigError, InvalidArgument
 from modalmesh.image_grid import ImageGrid
+from modalmesh.interpreter import set_switch_interval
 from modalmesh.logs import configure_logging
 from modalmesh.process import set_parent_death_signal
 from modalmesh.rpc.shm import ShmProbe, ShmReader, shm_available
@@ -58,12 +58,6 @@ class EngineSettings:
     tracing: TracingConfig = TracingConfig()
 
 
-def tune_interpreter(config: LLMConfig) -> None:
-    """The engine process's interpreter settings: the GIL switch interval (`LLMConfig.switch_interval_s`)."""
-    if config.switch_interval_s is not None:
-        sys.setswitchinterval(config.switch_interval_s)
-
-
 def engine_process_main(config: LLMConfig, settings: EngineSettings, requests: socket.socket,
                         replies: socket.socket, edge_pid: int) -> None:
     """The engine process's whole life (a multiprocessing spawn target); exits with its code."""
@@ -73,7 +67,7 @@ def engine_process_main(config: LLMConfig, settings: EngineSettings, requests: s
     for sig in (signal.SIGINT, signal.SIGTERM):  # the edge drains first, then sends Shutdown
         signal.signal(sig, signal.SIG_IGN)
     configure_logging("llm", level=config.log_level, fmt=config.log_format)
-    tune_interpreter(config)
+    set_switch_interval(config.switch_interval_s)
     metrics = metrics_mod.install(metrics_mod.Metrics("llm", options=settings.metrics))
     heap.observe_pauses(metrics.gc_pause_seconds)
     code = 1

@@ -213,16 +213,15 @@ class FrameReader:
     fewer, larger reads wait fewer times (`bench/link.py`).
     """
 
-    def __init__(self, transport: asyncio.Transport, protocol: _FrameProtocol):
-        self._transport = transport  # held with the protocol: the connection lives as long as this reader
-        self._protocol = protocol
+    def __init__(self, protocol: _FrameProtocol):
+        self._protocol = protocol  # it holds the transport: the connection lives as long as this reader
 
     @classmethod
     async def open(cls, sock: socket.socket) -> FrameReader:
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
-        transport, protocol = await loop.connect_accepted_socket(_FrameProtocol, sock=sock)
-        return cls(transport, protocol)
+        _transport, protocol = await loop.connect_accepted_socket(_FrameProtocol, sock=sock)
+        return cls(protocol)
 
     async def recv(self):
         payload = await self._protocol.next_payload()
@@ -246,7 +245,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self._frames: collections.deque = collections.deque()
         self._queued_bytes = 0
         self._waiter: asyncio.Future | None = None
-        self._transport: asyncio.Transport | None = None
+        self._transport: asyncio.Transport | None = None  # set by connection_made, before any data
         self._paused = False
         self._closed = False
 
@@ -296,7 +295,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
     def _queue(self, payload) -> None:
         self._frames.append(payload)
         self._queued_bytes += len(payload)
-        if not self._paused and self._queued_bytes > self._PAUSE_BYTES and self._transport is not None:
+        if not self._paused and self._queued_bytes > self._PAUSE_BYTES:
             self._paused = True
             self._transport.pause_reading()
 
@@ -325,7 +324,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
                 self._waiter = None
         payload = self._frames.popleft()
         self._queued_bytes -= len(payload)
-        if self._paused and self._queued_bytes <= self._PAUSE_BYTES // 2 and self._transport is not None:
+        if self._paused and self._queued_bytes <= self._PAUSE_BYTES // 2:
             self._paused = False
             self._transport.resume_reading()
         return payload
