@@ -51,14 +51,18 @@ LAYOUTS = {  # name: (GPUs of the vision replicas, GPU of the LLM)
 }
 
 
+QWEN2_VL_VOCAB = 152064
+
+
 def qwen2_vl_7b(root: Path) -> Path:
     """config.json (Qwen2-VL-7B shape), tokenizer and image processor; weights come from --dummy-weights."""
     import transformers as tf
 
+    # fill_to: random weights sample any of the model's ids, and the tokenizer covers them all, as a real one does.
     tok = tiny.build_tokenizer(tiny.QWEN_SPECIALS, chat_template=tiny.QWEN_CHAT_TEMPLATE, eos="<|im_end|>",
-                               pad="<|endoftext|>")
+                               pad="<|endoftext|>", fill_to=QWEN2_VL_VOCAB)
     ids = {t: tok.convert_tokens_to_ids(t) for t in tiny.QWEN_SPECIALS}
-    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    text = dict(vocab_size=QWEN2_VL_VOCAB, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                 num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
                 bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])

@@ -3,6 +3,8 @@
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from modalmesh.testing import tiny
@@ -75,3 +77,65 @@ def test_include_stop_str_keeps_the_stop_string_and_min_tokens_lets_an_early_one
     first_stop = next(i for i in range(1, len(ids) + 1) if ", t" in tokenizer.decode(ids[:i]))
     late, detok = _stream(tokenizer, [], ids, stop=(", t",), min_tokens=first_stop + 1)
     assert "".join(late) == "one, two" and detok.stopped
+
+
+def _deltas(tokenizer, prompt, ids, **kw):
+    detok = IncrementalDetokenizer(tokenizer, prompt, **kw)
+    return [detok.add(t) for t in ids] + [detok.finish()]
+
+
+def _same_deltas(tokenizer, prompt, ids, skip):
+    assert (_deltas(tokenizer, prompt, ids, skip_special_tokens=skip)
+            == _deltas(tokenizer, prompt, ids, skip_special_tokens=skip, stream=False))
+
+
+@pytest.mark.parametrize("prompt, text, skip", [
+    ("日", "本語", True),  # the context ends inside a character (the stream is not used)
+    ("Say:", "é🙂", True),  # characters split over several outputs
+    ("", "<|im_end|><|im_start|>", False),  # special tokens only, kept
+    ("", "<|im_end|><|im_start|>", True),  # ... and skipped: no text at all
+])
+def test_the_stream_in_tokenizers_emits_what_the_python_window_does_on_pinned_cases(tokenizer, prompt, text, skip):
+    ids = tokenizer(text)["input_ids"]
+    context = tokenizer(prompt)["input_ids"][:1] if prompt == "日" else tokenizer(prompt)["input_ids"]
+    _same_deltas(tokenizer, context, ids, skip)
+    _same_deltas(tokenizer, [3], [5, len(tokenizer) + 3, 7, *ids], skip)  # an id past the vocabulary
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 404), max_size=6), ids=st.lists(st.integers(0, 404), min_size=1, max_size=30),
+       skip=st.booleans())
+def test_the_stream_in_tokenizers_emits_what_the_python_window_does_token_by_token(tokenizer, prompt, ids, skip):
+    """DecodeStream against the Python window, delta for delta: contexts and outputs of any ids (the tiny
+    tokenizer's 400 and a few past them), single bytes that split characters, special tokens kept or skipped."""
+    assert len(tokenizer) == 400
+    _same_deltas(tokenizer, prompt, ids, skip)
+
+
+def test_a_stream_that_fails_midway_hands_over_to_the_python_window(tokenizer, monkeypatch):
+    """tokenizers raises "Invalid prefix encountered" when a token changes text already decoded (vllm#17448):
+    the Python window goes on from the same offsets, and the text is the full decode all the same."""
+    from services.llm import detokenizer
+
+    real = detokenizer.DecodeStream
+
+    class FailsAtFifth:
+        calls = 0
+
+        def __init__(self, **kw):
+            self.stream = real(**kw)
+
+        def step(self, backend, token_id):
+            type(self).calls += 1
+            if type(self).calls == 5:
+                raise Exception("Invalid prefix encountered")
+            return self.stream.step(backend, token_id)
+
+    monkeypatch.setattr(detokenizer, "DecodeStream", FailsAtFifth)
+    text = "Héllo wörld 🙂🚀 日本語 and plain words."
+    ids = tokenizer(text)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("Say:")["input_ids"])
+    deltas = [detok.add(t) for t in ids] + [detok.finish()]
+    assert FailsAtFifth.calls == 5 and detok._stream is None
+    assert "".join(deltas) == text
+    assert deltas == _deltas(tokenizer, tokenizer("Say:")["input_ids"], ids, stream=False)

@@ -239,6 +239,9 @@ def test_request_metrics_count_each_finish_by_reason_and_size(tokenizer):
     # one inter-token gap per token after a request's first; one TPOT per request (each had 2+ tokens)
     get = engine.metrics.registry.get_sample_value
     assert get("modalmesh_inter_token_latency_seconds_count", {"service": "llm"}) == (6 - 1) + (4 - 1) + (3 - 1)
+    # a request's gaps add up to its decode time (the step's gaps are observed together: engine._emit)
+    assert get("modalmesh_inter_token_latency_seconds_sum", {"service": "llm"}) == pytest.approx(
+        _sample(engine, "modalmesh_request_decode_time_seconds_sum"), rel=1e-9, abs=1e-12)
     assert get("modalmesh_time_per_output_token_seconds_count", {"service": "llm"}) == 3
     assert get("modalmesh_time_to_first_token_seconds_count", {"service": "llm"}) == 3
 

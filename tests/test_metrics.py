@@ -3,6 +3,7 @@
 import re
 
 import msgpack
+import pytest
 from pathlib import Path
 
 from prometheus_client import generate_latest
@@ -183,3 +184,26 @@ def test_a_scrape_while_the_folded_in_process_is_gone_shows_this_one():
         assert _scrape(port)[("modalmesh_ready", (("service", "llm"),))] == 1
     finally:
         edge.stop_exporter()
+
+
+def test_observe_many_records_what_as_many_observes_do():
+    """`observe_many` writes into prometheus_client's own histogram values: a release that renamed them
+    would fail here, not skew the LLM's inter-token latency. Values on, between, under and over the bounds."""
+    many, one = Metrics("llm", process_metrics=False), Metrics("llm", process_metrics=False)
+    bounds = many.inter_token_latency_seconds.labels()._upper_bounds
+    values = [0.0, bounds[0], bounds[0] * 1.5, bounds[3], (bounds[3] + bounds[4]) / 2, bounds[-2], bounds[-2] * 10]
+    for count, value in enumerate(values, start=1):
+        many.inter_token_latency_seconds.observe_many(value, count)
+        for _ in range(count):
+            one.inter_token_latency_seconds.observe(value)
+
+    def samples(m):
+        text = generate_latest(m.registry).decode()
+        fam = next(f for f in text_string_to_metric_families(text) if f.name == "modalmesh_inter_token_latency_seconds")
+        return {(s.name, s.labels.get("le")): s.value for s in fam.samples if not s.name.endswith("_created")}
+
+    got, want = samples(many), samples(one)
+    assert got.keys() == want.keys() and len(got) == len(bounds) + 2  # every bucket, _count and _sum
+    for key in got:
+        assert got[key] == (pytest.approx(want[key], rel=1e-12) if key[0].endswith("_sum") else want[key]), key
+    assert want[("modalmesh_inter_token_latency_seconds_count", None)] == sum(range(1, len(values) + 1))

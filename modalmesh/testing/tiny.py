@@ -63,8 +63,13 @@ _CORPUS = [
 
 def build_tokenizer(specials: list[str], *, vocab_size: int = 400, chat_template: str | None = None,
                     bos: str | None = None, eos: str | None = None, pad: str | None = None,
-                    unk: str | None = None):
-    """A byte-level BPE tokenizer trained on a fixed corpus: deterministic, any text encodes."""
+                    unk: str | None = None, fill_to: int | None = None):
+    """A byte-level BPE tokenizer trained on a fixed corpus: deterministic, any text encodes.
+
+    `fill_to`: the vocabulary padded with distinct words (" ab", " ac", ...) up to this many ids, which
+    encoding never produces (they have no merges) but decoding turns into text, as a real checkpoint's
+    tokenizer covers its model's vocabulary. Benchmarks with random weights sample any of the model's
+    ids: past a small tokenizer's vocabulary every id decodes to nothing, which no real model does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -76,10 +81,30 @@ def build_tokenizer(specials: list[str], *, vocab_size: int = 400, chat_template
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    if fill_to is not None and fill_to > tok.get_vocab_size(with_added_tokens=True):
+        tok = Tokenizer.from_str(json.dumps(_filled(json.loads(tok.to_str()), fill_to)))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk)
     if chat_template:
         fast.chat_template = chat_template
     return fast
+
+
+def _filled(spec: dict, size: int) -> dict:
+    """A tokenizer.json's BPE vocabulary with words added (byte-level: "Ġ" is a space) up to `size` ids."""
+    vocab = spec["model"]["vocab"]
+    taken = set(vocab) | {t["content"] for t in spec["added_tokens"]}
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in spec["added_tokens"])])
+    n = 0
+    while next_id < size:
+        n, word = n + 1, ""
+        k = n
+        while k:  # n in bijective base 26: a .. z, aa .. zz, aaa ...
+            k, r = divmod(k - 1, 26)
+            word = chr(97 + r) + word
+        if "Ġ" + word not in taken:
+            vocab["Ġ" + word] = next_id
+            next_id += 1
+    return spec
 
 
 def _qwen_tokenizer():

@@ -312,22 +312,26 @@ class LLMEngine:
         """A completed step's host work that the device need not wait for: text, stop strings, deltas."""
         t0 = time.perf_counter()
         batched: dict[DeltaSink, list] = {}
+        gaps: dict[float, int] = {}  # inter-token gap -> tokens: one per step in steady decode
         for s, index, finish in ended:
             state = s.chunk.seq.state
-            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now)
+            delta = self._on_token(s.chunk.seq, index, s.token, s.logprob, finish, now, gaps)
             if isinstance(state.emit, SinkEmitter):
                 batched.setdefault(state.emit.sink, []).append((state.emit.dest, delta))
             else:
                 state.emit(delta)
         if ended:
             self.metrics.generation_tokens_total.inc(len(ended))  # once a step, not once a token
+        for gap, count in gaps.items():
+            self.metrics.inter_token_latency_seconds.observe_many(gap, count)
         for sink, pairs in batched.items():
             sink.deliver(pairs)
         self.pool.publish()
         self._lap("post", time.perf_counter() - t0)
 
     def _on_token(self, seq: Sequence[RequestState], index: int, token: int, logprob, finish: str | None,
-                  now: float) -> Delta:
+                  now: float, gaps: dict[float, int]) -> Delta:
+        """`gaps`: the step's inter-token gaps, counted here and observed once each by `_emit`."""
         state = seq.state
         params = state.params
         first = state.last_token_at is None
@@ -338,7 +342,8 @@ class LLMEngine:
                 self.metrics.request_prefill_time_seconds.labels(model_name=self.model_name).observe(
                     now - state.scheduled_at)
         else:
-            self.metrics.inter_token_latency_seconds.observe(now - state.last_token_at)
+            gap = now - state.last_token_at
+            gaps[gap] = gaps.get(gap, 0) + 1
         state.last_token_at = now
         if finish == "stop":  # EOS or a stop token: not part of the text
             text = state.detokenizer.finish()
