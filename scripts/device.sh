@@ -562,19 +562,23 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
         post-17)  # issue 17 (2026-12-07 session 2): the LLM's post phase (DecodeStream, one ITL observe per gap) A/B,
             # the code before in .prev (`git archive b8c2290`, carried) with this tree's benches (its tokenizer
             # covers the model's vocabulary, bench/llm.py keeps deltas without a lock), each pair in one call:
-            # in process, 256 gRPC streams, image+text in the embeddings layout. Limits sum to 570 s
+            # in process, 256 gRPC streams, image+text in the embeddings layout; then image+text with every step
+            # within the mixed graphs' 1,024 tokens (--max-batch-tokens 1024: the eager steps were 5 % of the steps
+            # and 39 % of the engine thread in this morning's where-17). Limits sum to 545 s
             cp bench/*.py .prev/bench/ && cp modalmesh/testing/tiny.py .prev/modalmesh/testing/
             prev() { local name=$1 limit=$2; shift 2
                 step "$name" "$limit" bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 "$@"' _ "$@"; }
             prev llm-prev 70 bench/llm.py --batches 1,32,256 --no-hf
             step llm-new 90 python3 bench/llm.py --batches 1,32,256
-            prev serve-prev 90 bench/serve.py --start --requests 4096
-            step serve-new 90 python3 bench/serve.py --start --requests 4096
-            prev placement-prev 80 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
-            step placement-new 80 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
+            prev serve-prev 80 bench/serve.py --start --requests 4096
+            step serve-new 80 python3 bench/serve.py --start --requests 4096
+            prev placement-prev 75 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
+            step placement-new 75 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
+            step placement-1024 75 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}" \
+                --llm-args "--max-batch-tokens 1024"
             for f in llm-prev llm-new; do echo "-- $f"; grep -E "^ +(batch|[0-9]+ )|limit|RESULT" "$OUT/$f.log"; done
             for f in serve-prev serve-new; do echo "-- $f"; grep -E "^TP=" "$OUT/$f.log" | tail -1; done
-            for f in placement-prev placement-new; do echo "-- $f"
+            for f in placement-prev placement-new placement-1024; do echo "-- $f"
                 grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
