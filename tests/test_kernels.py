@@ -597,12 +597,48 @@ def test_rope_and_kv_write_kernel_equals_rotary_then_store(device, dtype, rope, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rope_kernel_is_not_used_for_mrope_or_partial_rotary(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, section", [((28, 4, 128), (16, 24, 24)), ((4, 2, 16), (2, 3, 3))],
+                         ids=["qwen2vl7b", "tiny"])
+def test_mrope_rope_and_kv_write_kernel_equals_rotary_then_store(device, dtype, heads, section):
+    """M-RoPE (Qwen2-VL): each frequency section rotates by its own row of the (3, T) positions. Image tokens
+    have three different positions, text tokens three equal ones; the positions are a (3, T) slice of a wider
+    buffer, as the runner's packed positions are."""
+    hq, hk, dim = heads
+    tokens, pages, page = 13, 8, 16
+    rotary = RotaryEmbedding(dim, dim, 512, {"rope_type": "default", "rope_theta": 1e6},
+                             mrope_section=section).to(device)
+    torch.manual_seed(2)
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, device=device, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([hq * dim, hk * dim, hk * dim], dim=-1))
+    wide = torch.randint(0, 400, (3, tokens + 5), device=device)
+    wide[:, 9:] = wide[0, 9:]  # the last tokens are text: t = h = w
+    positions = wide[:, :tokens]
+    assert positions.stride() == (tokens + 5, 1) and (positions[0] != positions[1]).any()
+    slots = torch.randperm(pages * page, device=device)[:tokens]
+    ref = [torch.randn(pages, page, hk, dim, device=device, dtype=dtype) for _ in range(2)]
+    fused = [c.clone() for c in ref]
+    assert rotary.can_fuse(positions, q)
+    with torch.inference_mode():
+        want_q, want_k = rotary(positions, q, k)
+        store_kv(want_k, v, *ref, slots)
+        got_q = rotary.rotate_and_store(positions, q, k, v, fused, slots)
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(fused[0], ref[0], **TOL[dtype])
+    torch.testing.assert_close(fused[1], ref[1], atol=0, rtol=0)  # v is copied
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_kernel_takes_mrope_on_three_rows_only_and_not_partial_rotary(device):
     q = torch.randn(3, 2, 16, device=device)
     mrope = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0}, mrope_section=(2, 3, 3)).to(device)
+    four = RotaryEmbedding(16, 16, 64, {"rope_theta": 10000.0}, mrope_section=(2, 2, 2, 2)).to(device)
     partial = RotaryEmbedding(16, 8, 64, {"rope_theta": 10000.0}).to(device)
     positions = torch.arange(3, device=device)
-    assert not mrope.can_fuse(positions.expand(3, -1), q)
+    assert mrope.can_fuse(positions.expand(3, -1), q)  # three rows, unit stride along the tokens
+    assert not mrope.can_fuse(positions, q)  # M-RoPE needs its three rows
+    assert not mrope.can_fuse(positions.expand(3, -1).t(), q)
+    assert not four.can_fuse(positions.expand(3, -1), q)  # the kernel has three sections
     assert not partial.can_fuse(positions, q)
 
 
@@ -640,7 +676,7 @@ def decode_logits(model, cfg, device, prompt, steps):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen2_vl"])
 def test_decoder_with_fused_kernels_equals_the_unfused_decoder(device, family, tmp_path, monkeypatch):
     from modalmesh.testing import tiny
     from modalmesh.kernels import activation, norm, rotary
@@ -658,6 +694,41 @@ def test_decoder_with_fused_kernels_equals_the_unfused_decoder(device, family, t
     got = _logits(path, device, True, prompt, 4)
     assert set(calls) == {"rms_norm", "silu_and_mul", "rope_and_store"}, calls  # the fused path did run
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mrope_decoder_with_fused_kernels_equals_the_unfused_decoder_over_an_image(device, tmp_path):
+    """Qwen2-VL's language model over a prompt with an image's grid of M-RoPE positions (three different rows
+    where the image is), fused (rope_and_store with its sections) against the PyTorch path."""
+    from modalmesh.attention import PagedMetadata
+    from modalmesh.kernels import rotary
+    from modalmesh.kv.pool import build_kv_pool
+    from modalmesh.metrics import Metrics
+    from modalmesh.testing import tiny
+    from services.llm.loader import load_llm
+
+    path = tiny.ensure("qwen2_vl", tmp_path)
+    # text 0..2, a 3 x 4 grid at t = 3 (h 3..5, w 3..6), text again from 7
+    grid = [(3, 3 + h, 3 + w) for h in range(3) for w in range(4)]
+    rows = [(i, i, i) for i in range(3)] + grid + [(i, i, i) for i in range(7, 12)]
+    positions = torch.tensor(rows, device=device).t().contiguous()
+    tokens = positions.shape[1]
+    logits, embeds = [], None
+    for fused in (False, True):
+        model, cfg, _ = load_llm(path, device=torch.device(device), dtype=torch.float32, fused_kernels=fused)
+        if embeds is None:  # the image's rows and the text's alike: the rotation is what differs
+            embeds = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(device)
+        pool = build_kv_pool(cfg, device, max_model_len=128, dtype=torch.float32, kv_cache_tokens=256,
+                             metrics=Metrics("llm", process_metrics=False))
+        assert pool.allocate("s", tokens)
+        meta = PagedMetadata.build([tokens], [tokens], pool.block_table(["s"]), pool.page_size)
+        calls = []
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rotary, "rope_and_store", lambda *a, _f=rotary.rope_and_store, **k: calls.append(1) or _f(*a, **k))
+            hidden = model(positions, meta, [pool.layer(i) for i in range(cfg.num_layers)], inputs_embeds=embeds)
+            logits.append(model.compute_logits(hidden).cpu())
+        assert len(calls) == (cfg.num_layers if fused else 0)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4 * float(logits[0].abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,8 +6,10 @@ rotation, rounded to the activation dtype) followed by
 at each token's slot). One program per token: it reads the token's position and
 slot, rotates every q head into a fresh contiguous q and every k head straight
 into the pool. The attention kernels then read k and v from the pool only.
-Full-width rotary on 1-D positions only (Llama, Qwen2, Qwen3); M-RoPE and
-partial rotary keep the PyTorch path.
+Full-width rotary: 1-D positions (Llama, Qwen2, Qwen3), or M-RoPE's (3, T) ones
+(Qwen2-VL, Qwen2.5-VL), where each frequency takes its cos / sin at the position
+of its section (temporal, height, width), as `RotaryEmbedding._cos_sin` picks
+them. Partial rotary keeps the PyTorch path.
 
 `rotate_qk` is the vision towers' form (Qwen2-VL, Qwen2.5-VL): cos and sin given
 per token (T, D) in float32 (their 2-D rotary), q and k rotated into fresh
@@ -31,14 +33,21 @@ def _kernel():
 
     @triton.jit
     def rope_and_store(Q, K, V, Positions, Slots, CosSin, QOut, KCache, VCache,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_pos,
                        HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
+                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+                       MROPE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr):
         t = tl.program_id(0)
-        pos = tl.load(Positions + t)
         slot = tl.load(Slots + t)
         d = tl.arange(0, HALF_PAD)
         dmask = d < HALF
+        if MROPE:  # frequencies [0, S0) at the temporal position, [S0, S0 + S1) the height's, the rest the width's
+            p0 = tl.load(Positions + t)
+            p1 = tl.load(Positions + stride_pos + t)
+            p2 = tl.load(Positions + 2 * stride_pos + t)
+            pos = tl.where(d < S0, p0, tl.where(d < S0 + S1, p1, p2))
+        else:
+            pos = tl.load(Positions + t)
         cos = tl.load(CosSin + pos * stride_cs + d, mask=dmask, other=0.0)[None, :]
         sin = tl.load(CosSin + pos * stride_cs + HALF + d, mask=dmask, other=0.0)[None, :]
 
@@ -69,28 +78,39 @@ def _kernel():
     return rope_and_store
 
 
-def fusable(positions: torch.Tensor, q: torch.Tensor, rotary_dim: int, mrope: bool) -> bool:
-    return not mrope and positions.dim() == 1 and rotary_dim == q.shape[-1] and q.stride(-1) == 1
+def fusable(positions: torch.Tensor, q: torch.Tensor, rotary_dim: int,
+            mrope_section: tuple[int, ...] | None) -> bool:
+    if mrope_section is None:
+        shaped = positions.dim() == 1
+    else:  # three sections (temporal, height, width); (3, T) positions with unit stride along T
+        shaped = (len(mrope_section) == 3 and positions.dim() == 2 and positions.shape[0] == 3
+                  and positions.stride(1) == 1)
+    return shaped and rotary_dim == q.shape[-1] and q.stride(-1) == 1
 
 
 def rope_and_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> torch.Tensor:
+                   slot_mapping: torch.Tensor, mrope_section: tuple[int, ...] | None = None) -> torch.Tensor:
     """Rotated q (T, Hq, D), contiguous; rotated k and v written into their slots of the pool.
 
-    `cos_sin` is the rotary table (L, D): cos | sin of each position, float32, covering every position."""
+    `cos_sin` is the rotary table (L, D): cos | sin of each position, float32, covering every position.
+    `mrope_section`: M-RoPE's three section sizes over D / 2 frequencies, with `positions` (3, T)."""
     tokens, hq, dim = q.shape
     hk, dv = k.shape[1], v.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_and_store wants unit-stride heads and contiguous caches")
+    half = dim // 2
+    if mrope_section is not None and (len(mrope_section) != 3 or sum(mrope_section) != half):
+        raise ValueError(f"mrope_section {tuple(mrope_section)} must be 3 sizes summing to {half}")
     q_out = torch.empty((tokens, hq, dim), dtype=q.dtype, device=q.device)
     if tokens:
-        half = dim // 2
+        s0, s1, _ = mrope_section if mrope_section is not None else (0, 0, 0)
         _kernel()[(tokens,)](
             q, k, v, positions, slot_mapping, cos_sin, q_out, k_cache, v_cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            positions.stride(0) if mrope_section is not None else 0,
             HQ=hq, HK=hk, HQ_PAD=block(hq), HK_PAD=block(hk), HALF=half, HALF_PAD=block(half), DV=dv,
-            DV_PAD=block(dv), num_warps=4)
+            DV_PAD=block(dv), MROPE=mrope_section is not None, S0=s0, S1=s1, num_warps=4)
     return q_out
 
 

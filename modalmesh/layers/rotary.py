@@ -136,14 +136,13 @@ class RotaryEmbedding(nn.Module):
 
     def can_fuse(self, positions: torch.Tensor, q: torch.Tensor) -> bool:
         """Whether `rotate_and_store` can take these inputs (else: `forward`, then the attention's store)."""
-        return kernels.usable(q) and rotary_kernels.fusable(positions, q, self.rotary_dim,
-                                                            self.mrope_section is not None)
+        return kernels.usable(q) and rotary_kernels.fusable(positions, q, self.rotary_dim, self.mrope_section)
 
     def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
         """Rotated q; rotated k and v written into `kv_cache` at `slot_mapping` (one kernel)."""
         return rotary_kernels.rope_and_store(positions, q, k, v, self._table_for(positions), kv_cache[0],
-                                             kv_cache[1], slot_mapping)
+                                             kv_cache[1], slot_mapping, self.mrope_section)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
