@@ -40,7 +40,7 @@
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
 #   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
 #   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B
-#   bash scripts/device.sh post-17               # issue 17: the post phase A/B against .prev (b8c2290), three loads
+#   bash scripts/device.sh post-17               # issue 17: M-RoPE kernel tests; .prev / .mid / this tree, three loads
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -559,27 +559,32 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step mrope-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             step link-bench 30 python3 bench/link.py --frames 100
             tail -5 "$OUT/link-bench.log" ;;
-        post-17)  # issue 17 (2026-12-07 session 2): the LLM's post phase (DecodeStream, one ITL observe per gap) A/B,
-            # the code before in .prev (`git archive b8c2290`, carried) with this tree's benches (its tokenizer
-            # covers the model's vocabulary, bench/llm.py keeps deltas without a lock), each pair in one call:
-            # in process, 256 gRPC streams, image+text in the embeddings layout; then image+text with every step
-            # within the mixed graphs' 1,024 tokens (--max-batch-tokens 1024: the eager steps were 5 % of the steps
-            # and 39 % of the engine thread in this morning's where-17). Limits sum to 545 s
-            cp bench/*.py .prev/bench/ && cp modalmesh/testing/tiny.py .prev/modalmesh/testing/
-            prev() { local name=$1 limit=$2; shift 2
-                step "$name" "$limit" bash -c 'cd .prev && PYTHONPATH=/tmp/site:$PWD python3 "$@"' _ "$@"; }
-            prev llm-prev 70 bench/llm.py --batches 1,32,256 --no-hf
-            step llm-new 90 python3 bench/llm.py --batches 1,32,256
-            prev serve-prev 80 bench/serve.py --start --requests 4096
-            step serve-new 80 python3 bench/serve.py --start --requests 4096
-            prev placement-prev 75 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
-            step placement-new 75 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}"
-            step placement-1024 75 python3 bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}" \
-                --llm-args "--max-batch-tokens 1024"
+        post-17)  # issue 17 (2026-12-07 session 2), one call: the fused M-RoPE kernel's CUDA tests, then three trees
+            # with this tree's benches (the tokenizer covers the model's vocabulary; bench/llm.py keeps deltas
+            # without a lock): .prev (`git archive b8c2290`: before this session), .mid (HEAD~1 of the M-RoPE commit:
+            # the post phase's DecodeStream and observe_many) and this tree (+ M-RoPE in the fused kernel); both
+            # carried, each holding modalmesh, services, bench, proto. Image+text (embeddings layout) on all three,
+            # in process and 256 streams on .prev and this tree (text: no M-RoPE), then image+text with every step
+            # within the mixed graphs (--max-batch-tokens 1024: the eager steps were 5 % of the steps and 39 % of
+            # the engine thread in this morning's where-17). Most valuable first: a call cut at 600 s keeps them
+            for d in .prev .mid; do cp bench/*.py $d/bench/ && cp modalmesh/testing/tiny.py $d/modalmesh/testing/; done
+            tree() { local dir=$1 name=$2 limit=$3; shift 3
+                step "$name" "$limit" bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 "$@"' "$dir" "$@"; }
+            step mrope-kernel-tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "rope or decoder"
+            step mrope-llm-tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
+            emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
+            tree .prev placement-prev 65 "${emb[@]}"
+            tree .mid placement-mid 65 "${emb[@]}"
+            step placement-new 65 python3 "${emb[@]}"
+            tree .prev llm-prev 55 bench/llm.py --batches 1,32,256 --no-hf
+            step llm-new 75 python3 bench/llm.py --batches 1,32,256
+            tree .prev serve-prev 70 bench/serve.py --start --requests 4096
+            step serve-new 70 python3 bench/serve.py --start --requests 4096
+            step placement-1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
+            for f in placement-prev placement-mid placement-new placement-1024; do echo "-- $f"
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done
             for f in llm-prev llm-new; do echo "-- $f"; grep -E "^ +(batch|[0-9]+ )|limit|RESULT" "$OUT/$f.log"; done
-            for f in serve-prev serve-new; do echo "-- $f"; grep -E "^TP=" "$OUT/$f.log" | tail -1; done
-            for f in placement-prev placement-new placement-1024; do echo "-- $f"
-                grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
+            for f in serve-prev serve-new; do echo "-- $f"; grep -E "^TP=" "$OUT/$f.log" | tail -1; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
