@@ -89,6 +89,30 @@ def _same_deltas(tokenizer, prompt, ids, skip):
             == _deltas(tokenizer, prompt, ids, skip_special_tokens=skip, stream=False))
 
 
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """Llama-2's decoder (▁ for spaces, <0xNN> byte tokens fused, the first space stripped): unlike byte-level
+    BPE, its text can change at the start as tokens arrive, where DecodeStream raises "Invalid prefix"."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([c.encode("ascii", "ignore").decode() for c in tiny._CORPUS] * 4,
+                            trainer=trainers.BpeTrainer(vocab_size=600, show_progress=False, special_tokens=[
+                                "<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_both_test_tokenizers_take_the_stream(tokenizer, byte_fallback_tokenizer):
+    """Else the comparisons below would compare the Python window with itself."""
+    for tok in (tokenizer, byte_fallback_tokenizer):
+        assert IncrementalDetokenizer(tok, [3])._stream is not None
+
+
 @pytest.mark.parametrize("prompt, text, skip", [
     ("日", "本語", True),  # the context ends inside a character (the stream is not used)
     ("Say:", "é🙂", True),  # characters split over several outputs
@@ -110,6 +134,18 @@ def test_the_stream_in_tokenizers_emits_what_the_python_window_does_token_by_tok
     tokenizer's 400 and a few past them), single bytes that split characters, special tokens kept or skipped."""
     assert len(tokenizer) == 400
     _same_deltas(tokenizer, prompt, ids, skip)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(0, 602), max_size=6), ids=st.lists(st.integers(0, 602), min_size=1, max_size=30),
+       skip=st.booleans(), text=st.sampled_from(["", "Hello world, the quick fox", " two  spaces", "a\tb"]))
+def test_a_byte_fallback_tokenizer_streams_what_the_python_window_does(byte_fallback_tokenizer, prompt, ids, skip,
+                                                                       text):
+    """The same comparison with Llama-2's decoder, where the stream raises and the Python window takes over
+    mid-sequence (with special tokens kept, byte tokens after a leading space often do)."""
+    tok = byte_fallback_tokenizer
+    assert len(tok) == 600
+    _same_deltas(tok, prompt, tok(text, add_special_tokens=False)["input_ids"] + ids, skip)
 
 
 def test_a_stream_that_fails_midway_hands_over_to_the_python_window(tokenizer, monkeypatch):

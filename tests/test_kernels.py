@@ -598,8 +598,8 @@ def test_rope_and_kv_write_kernel_equals_rotary_then_store(device, dtype, rope, 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, section", [((28, 4, 128), (16, 24, 24)), ((4, 2, 16), (2, 3, 3))],
-                         ids=["qwen2vl7b", "tiny"])
+@pytest.mark.parametrize("heads, section", [((28, 4, 128), (16, 24, 24)), ((4, 2, 16), (2, 3, 3)),
+                                           ((4, 2, 16), (1, 2, 5))], ids=["qwen2vl7b", "tiny", "uneven"])
 def test_mrope_rope_and_kv_write_kernel_equals_rotary_then_store(device, dtype, heads, section):
     """M-RoPE (Qwen2-VL): each frequency section rotates by its own row of the (3, T) positions. Image tokens
     have three different positions, text tokens three equal ones; the positions are a (3, T) slice of a wider

@@ -81,7 +81,7 @@ def _kernel():
 def fusable(positions: torch.Tensor, q: torch.Tensor, rotary_dim: int,
             mrope_section: tuple[int, ...] | None) -> bool:
     if mrope_section is None:
-        shaped = positions.dim() == 1
+        shaped = positions.dim() == 1 and positions.stride(0) == 1
     else:  # three sections (temporal, height, width); (3, T) positions with unit stride along T
         shaped = (len(mrope_section) == 3 and positions.dim() == 2 and positions.shape[0] == 3
                   and positions.stride(1) == 1)

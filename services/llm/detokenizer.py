@@ -13,9 +13,13 @@ sequences every step.
 
 from __future__ import annotations
 
+import logging
+
 from tokenizers.decoders import DecodeStream
 
 from services.llm.stops import StopMatcher
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens used as left context, so the first output token decodes as it would mid-text.
 _CONTEXT_TOKENS = 5
@@ -67,9 +71,10 @@ class IncrementalDetokenizer:
         self.text = ""  # all final text produced so far (including any held tail)
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
-        # The stream keeps its own copy of the window, which moves as self.prefix_offset / read_offset do (the
-        # same rule), so the Python window can take over at any token. A context that ends inside a character
-        # stays with the Python window: the stream would count that character as output.
+        # self.prefix_offset / read_offset advance whenever the stream emits, which is when the Python window
+        # would, so the Python window can take over at any token (the stream's own window may start later, past
+        # tokens that decode to nothing). A context that ends inside a character stays with the Python window:
+        # the stream would count that character as output.
         self._backend = rust_backend(tokenizer) if stream else None
         self._stream = None
         if self._backend is not None and not self._decode(context).endswith("\ufffd"):
@@ -102,8 +107,10 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             try:
                 final = self._stream.step(self._backend, token_id)
-            except Exception:  # noqa: BLE001 - "Invalid prefix encountered": the text's start changed (vllm#17448)
-                self._stream = None  # the Python window takes over, from the same offsets
+            except Exception as exc:  # noqa: BLE001 - the Python window takes over, from the same offsets
+                self._stream = None
+                if "Invalid prefix" not in str(exc):  # that one is expected: the text's start changed (vllm#17448)
+                    log.warning("tokenizers' DecodeStream failed (%s); this sequence decodes in Python", exc)
             else:
                 if final is None:
                     return ""
