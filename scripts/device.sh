@@ -41,6 +41,7 @@
 #   bash scripts/device.sh where-17              # issue 17: the embeddings layout's load with py-spy attached
 #   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B
 #   bash scripts/device.sh post-17               # issue 17: M-RoPE kernel tests; .prev / .mid / this tree, three loads
+#   bash scripts/device.sh short-17              # post-17 cut to about 300 s
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -585,6 +586,23 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 grep -E "^ +embeddings \|" "$OUT/$f.log"; done
             for f in llm-prev llm-new; do echo "-- $f"; grep -E "^ +(batch|[0-9]+ )|limit|RESULT" "$OUT/$f.log"; done
             for f in serve-prev serve-new; do echo "-- $f"; grep -E "^TP=" "$OUT/$f.log" | tail -1; done ;;
+        short-17)  # post-17 cut to a budget near 300 s (2026-12-07: the rest went on failed starts): the fused M-RoPE
+            # kernel's CUDA tests, image+text on this tree, in process on this tree (HF beside) and on .prev, then
+            # image+text on .mid (the post phase alone); a call cut short keeps what ran
+            for d in .prev .mid; do cp bench/*.py $d/bench/ && cp modalmesh/testing/tiny.py $d/modalmesh/testing/; done
+            tree() { local dir=$1 name=$2 limit=$3; shift 3
+                step "$name" "$limit" bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 "$@"' "$dir" "$@"; }
+            step mrope-kernel-tests 55 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "rope or decoder"
+            step mrope-llm-tests 35 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
+            emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
+            step placement-new 65 python3 "${emb[@]}"
+            grep -E "^ +embeddings \|" "$OUT/placement-new.log"
+            step llm-new 60 python3 bench/llm.py --batches 1,32,256
+            grep -E "^ +(batch|[0-9]+ )|limit" "$OUT/llm-new.log"
+            tree .prev llm-prev 50 bench/llm.py --batches 1,32,256 --no-hf
+            grep -E "^ +(batch|[0-9]+ )|limit" "$OUT/llm-prev.log"
+            tree .mid placement-mid 65 "${emb[@]}"
+            grep -E "^ +embeddings \|" "$OUT/placement-mid.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
