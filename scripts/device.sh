@@ -104,11 +104,18 @@ tower_tables() {  # issue 19's towers: ours, HF eager and HF under torch.compile
         --json "$OUT/audio-table.json"
 }
 
+on_tree() {  # on_tree DIR NAME LIMIT SCRIPT [ARGS...]: this tree's bench SCRIPT run on the code in DIR (an older
+    # tree carried beside this one), with this tree's benches and their tiny checkpoints, so only the code differs
+    local dir=$1 name=$2 limit=$3
+    shift 3
+    cp bench/*.py "$dir/bench/" && cp modalmesh/testing/tiny.py "$dir/modalmesh/testing/"
+    step "$name" "$limit" bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 "$@"' "$dir" "$@"
+}
+
 old_tree() {  # old_tree DIR NAME [ARGS...]: this tree's encode_load on the code in DIR (its towers not timed)
     local dir=$1 name=$2
     shift 2
-    cp bench/__init__.py bench/encode_load.py bench/vision.py bench/audio.py "$dir/bench/"
-    step "$name" 180 bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 bench/encode_load.py --no-tower "$@"' "$dir" "$@"
+    on_tree "$dir" "$name" 180 bench/encode_load.py --no-tower "$@"
 }
 
 for name in "$@"; do
@@ -568,18 +575,15 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             # in process and 256 streams on .prev and this tree (text: no M-RoPE), then image+text with every step
             # within the mixed graphs (--max-batch-tokens 1024: the eager steps were 5 % of the steps and 39 % of
             # the engine thread in this morning's where-17). Most valuable first: a call cut at 600 s keeps them
-            for d in .prev .mid; do cp bench/*.py $d/bench/ && cp modalmesh/testing/tiny.py $d/modalmesh/testing/; done
-            tree() { local dir=$1 name=$2 limit=$3; shift 3
-                step "$name" "$limit" bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 "$@"' "$dir" "$@"; }
             step mrope-kernel-tests 70 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "rope or decoder"
             step mrope-llm-tests 50 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
-            tree .prev placement-prev 65 "${emb[@]}"
-            tree .mid placement-mid 65 "${emb[@]}"
+            on_tree .prev placement-prev 65 "${emb[@]}"
+            on_tree .mid placement-mid 65 "${emb[@]}"
             step placement-new 65 python3 "${emb[@]}"
-            tree .prev llm-prev 55 bench/llm.py --batches 1,32,256 --no-hf
+            on_tree .prev llm-prev 55 bench/llm.py --batches 1,32,256 --no-hf
             step llm-new 75 python3 bench/llm.py --batches 1,32,256
-            tree .prev serve-prev 70 bench/serve.py --start --requests 4096
+            on_tree .prev serve-prev 70 bench/serve.py --start --requests 4096
             step serve-new 70 python3 bench/serve.py --start --requests 4096
             step placement-1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
             for f in placement-prev placement-mid placement-new placement-1024; do echo "-- $f"
@@ -589,9 +593,6 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
         short-17)  # post-17 cut to a budget near 300 s (2026-12-07: the rest went on failed starts): the fused M-RoPE
             # kernel's CUDA tests, image+text on this tree, in process on this tree (HF beside) and on .prev, then
             # image+text on .mid (the post phase alone); a call cut short keeps what ran
-            for d in .prev .mid; do cp bench/*.py $d/bench/ && cp modalmesh/testing/tiny.py $d/modalmesh/testing/; done
-            tree() { local dir=$1 name=$2 limit=$3; shift 3
-                step "$name" "$limit" bash -c 'cd "$0" && PYTHONPATH=/tmp/site:$PWD python3 "$@"' "$dir" "$@"; }
             step mrope-kernel-tests 55 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "rope or decoder"
             step mrope-llm-tests 35 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "qwen2_vl and not tensor"
             emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
@@ -599,9 +600,9 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -E "^ +embeddings \|" "$OUT/placement-new.log"
             step llm-new 60 python3 bench/llm.py --batches 1,32,256
             grep -E "^ +(batch|[0-9]+ )|limit" "$OUT/llm-new.log"
-            tree .prev llm-prev 50 bench/llm.py --batches 1,32,256 --no-hf
+            on_tree .prev llm-prev 50 bench/llm.py --batches 1,32,256 --no-hf
             grep -E "^ +(batch|[0-9]+ )|limit" "$OUT/llm-prev.log"
-            tree .mid placement-mid 65 "${emb[@]}"
+            on_tree .mid placement-mid 65 "${emb[@]}"
             grep -E "^ +embeddings \|" "$OUT/placement-mid.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
