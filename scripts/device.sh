@@ -42,6 +42,7 @@
 #   bash scripts/device.sh frames-17             # issue 17: the link's frames and the GIL switch interval, A/B
 #   bash scripts/device.sh post-17               # issue 17: M-RoPE kernel tests; .prev / .mid / this tree, three loads
 #   bash scripts/device.sh short-17              # post-17 cut to about 300 s
+#   bash scripts/device.sh graphs-17             # issue 17: image+text with the mixed graphs up to 1,024 / 2,048 / 4,096
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -604,6 +605,17 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -E "^ +(batch|[0-9]+ )|limit" "$OUT/llm-prev.log"
             on_tree .mid placement-mid 65 "${emb[@]}"
             grep -E "^ +embeddings \|" "$OUT/placement-mid.log" ;;
+        graphs-17)  # issue 17: image+text (embeddings layout) with the mixed graphs' largest bucket at 1,024 tokens (the
+            # default), 2,048 and 4,096 (--max-graph-tokens), and with the step budget cut to 1,024 instead, in one
+            # call (~320 s); the CUDA tests of the graph paths first (the sync-free submit takes --max-graph-tokens 16)
+            step graph-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "submitting or graph"
+            emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
+            step placement-g1024 65 python3 "${emb[@]}"
+            step placement-g2048 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 2048"
+            step placement-g4096 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 4096"
+            step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
+            for f in placement-g1024 placement-g2048 placement-g4096 placement-b1024; do echo "-- $f"
+                grep -E "^ +embeddings \||steps" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac

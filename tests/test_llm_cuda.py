@@ -29,10 +29,11 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-llm")
 
 
-def _engine(path, tokenizer, dtype, cuda_graphs=True, prefix_caching=True):
+def _engine(path, tokenizer, dtype, cuda_graphs=True, prefix_caching=True, max_graph_tokens=1024):
     metrics = Metrics("llm", process_metrics=False)
     config = LLMConfig(model_dir=path, device_type="cuda", dtype=dtype, max_model_len=256, kv_cache_tokens=2048,
-                       max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching)
+                       max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching,
+                       max_graph_tokens=max_graph_tokens)
     return LLMEngine(ModelRunner(config, metrics), tokenizer, eos_token_ids=(), metrics=metrics)
 
 
@@ -201,8 +202,8 @@ def test_submitting_a_step_never_waits_for_the_device(root):
     from transformers import AutoTokenizer
 
     path = tiny.ensure("qwen2", root)
-    engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.bfloat16)
-    engine.runner.mixed_graphs.sizes = engine.runner.mixed_graphs.sizes[:1]  # 16 tokens: longer steps eager
+    engine = _engine(path, AutoTokenizer.from_pretrained(path), torch.bfloat16, max_graph_tokens=16)
+    assert engine.runner.mixed_graphs.sizes == [16]  # longer steps eager
     submit = engine.runner.submit
 
     def strict(step, previous=None):

@@ -245,7 +245,8 @@ def test_step_inputs_round_trip_at_tp1():
 def _args(**kw):
     base = dict(tensor_parallel_size=1, max_model_len=None, kv_cache_tokens=None, dummy_weights=False,
                 attention_backend=None, page_size=16, mem_fraction=0.9, max_num_seqs=8, max_batch_tokens=64,
-                max_prefill_chunk=None, max_queue=4, enforce_eager=False, no_fused_kernels=False, vision_encoder=None,
+                max_prefill_chunk=None, max_queue=4, enforce_eager=False, max_graph_tokens=1024, no_fused_kernels=False,
+                vision_encoder=None,
                 audio_encoder=None,
                 encoder_timeout=5.0, allow_foreign_encoders=False, encoder_shared_memory="off", max_message_mb=8,
                 max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=256, max_items_per_request=64,
@@ -269,6 +270,19 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
         dataclasses.replace(config, rank=2)
     with pytest.raises(ConfigError, match="--max-num-seqs 0"):
         LLMConfig.from_args(_args(max_num_seqs=0), model_dir, device=torch.device("cpu"), dtype=torch.float32)
+    assert LLMConfig.from_args(_args(max_graph_tokens=2048), model_dir, device=torch.device("cpu"),
+                               dtype=torch.float32).max_graph_tokens == 2048
+    with pytest.raises(ConfigError, match="--max-graph-tokens -1"):
+        LLMConfig.from_args(_args(max_graph_tokens=-1), model_dir, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_mixed_graph_buckets_end_at_the_graph_token_limit():
+    from services.llm.graphs import token_buckets
+
+    assert token_buckets(24) == [16, 24]
+    assert token_buckets(1024) == [16, 32, 64, 128, 256, 384, 512, 768, 1024]
+    assert token_buckets(2048)[-4:] == [768, 1024, 1536, 2048]
+    assert token_buckets(1800)[-3:] == [1024, 1536, 1800]
 
 
 def test_the_engine_process_takes_its_gil_switch_interval_from_the_flag(ckpts):

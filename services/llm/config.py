@@ -58,6 +58,8 @@ class LLMConfig:
     max_prefill_chunk: int | None = None
     max_queue: int = 1024
     cuda_graphs: bool = True
+    max_graph_tokens: int = 1024  # mixed steps up to this many tokens replay a CUDA graph (0: none); longer ones
+    # run eagerly
     fused_kernels: bool = True  # the decoder layers' Triton kernels on CUDA (modalmesh.kernels)
     gemv_kernels: bool = True  # one-row products (batch-1 decode) through modalmesh.kernels.gemv, with the fused
     # kernels (--no-gemv-kernels: cuBLAS)
@@ -90,6 +92,8 @@ class LLMConfig:
             if value < 0:
                 flag = "--max-items-per-request" if name == "max_items" else "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value}: must be >= 0")
+        if self.max_graph_tokens < 0:
+            raise ConfigError(f"--max-graph-tokens {self.max_graph_tokens}: must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ConfigError(f"--kv-cache-tokens {self.kv_cache_tokens}: must be >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -124,6 +128,7 @@ class LLMConfig:
             kv_cache_tokens=kv_tokens, mem_fraction=args.mem_fraction, max_num_seqs=args.max_num_seqs,
             max_batch_tokens=args.max_batch_tokens, max_prefill_chunk=args.max_prefill_chunk,
             max_queue=args.max_queue, cuda_graphs=not args.enforce_eager,
+            max_graph_tokens=args.max_graph_tokens,
             fused_kernels=not args.no_fused_kernels, gemv_kernels=not getattr(args, "no_gemv_kernels", False),
             tensor_parallel_size=tp,
             encoders=EncoderTargets(vision=args.vision_encoder, audio=args.audio_encoder,

@@ -14,8 +14,9 @@ A mixed step (continuous batching: decode rows beside new prompts and prompt
 chunks) is captured the same way per token bucket (`MixedGraphs`), from input
 embeddings (the engine embeds and splices encoder rows eagerly): attention
 runs every token as a decode query of its own (`PagedMetadata.token_seq` /
-`token_ctx`), which needs no host-side lengths. Steps past the largest bucket,
-or whose tokens would re-read too much context that way, run eagerly.
+`token_ctx`), which needs no host-side lengths. Steps past the largest bucket
+(`--max-graph-tokens`), or whose tokens would re-read too much context that
+way, run eagerly.
 
 Both need attention backends whose records say ``graph_safe`` (`triton_paged`:
 device-side lengths, no host synchronisation).
@@ -33,8 +34,6 @@ from services.llm.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
-MIXED_MAX_TOKENS = 1024  # mixed steps up to this many tokens replay a graph; longer ones are prefill-bound
-
 
 def buckets(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8]
@@ -44,9 +43,11 @@ def buckets(max_batch: int) -> list[int]:
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    top = min(max_tokens, MIXED_MAX_TOKENS)
-    sizes = [n for n in (16, 32, 64, 128, 256, 384, 512, 768, 1024) if n < top]
-    return sizes + [top]
+    """The mixed graphs' token counts up to `max_tokens`: finer where decode-heavy steps fall, then every 512."""
+    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024]
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] + 512)
+    return [n for n in sizes if n < max_tokens] + [max_tokens]
 
 
 def copy_positions(buffer: torch.Tensor, positions: torch.Tensor, n: int) -> None:
@@ -115,7 +116,7 @@ class DecodeGraphs:
 
 
 class MixedGraphs:
-    """Steps of any shape up to `MIXED_MAX_TOKENS` tokens, from input embeddings, per token bucket."""
+    """Steps of any shape up to `max_tokens` tokens, from input embeddings, per token bucket."""
 
     def __init__(self, model, pool, kv_caches, device: torch.device, *, max_tokens: int, max_seqs: int,
                  max_model_len: int, uses_mrope: bool, scratch_slot: int, hidden_size: int, dtype: torch.dtype):

@@ -242,15 +242,17 @@ class ModelRunner:
         config = self.config
         decode = DecodeGraphs(self.model, self.pool, self.kv_caches, self.device, max_batch=config.max_num_seqs,
                               max_model_len=config.max_model_len, uses_mrope=self.uses_mrope)
-        mixed = MixedGraphs(self.model, self.pool, self.kv_caches, self.device, max_tokens=config.max_batch_tokens,
+        mixed_tokens = min(config.max_batch_tokens, config.max_graph_tokens)
+        mixed = MixedGraphs(self.model, self.pool, self.kv_caches, self.device, max_tokens=mixed_tokens,
                             max_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                             uses_mrope=self.uses_mrope, scratch_slot=decode.scratch_slot,
-                            hidden_size=self.model_config.hidden_size, dtype=config.dtype)
+                            hidden_size=self.model_config.hidden_size, dtype=config.dtype) if mixed_tokens else None
         # Every rank in the same order (the warm-up forwards meet in their all-reduces); one memory pool:
         # no two graphs ever run at once.
         mempool = torch.cuda.graph_pool_handle()
         decode.capture(mempool)
-        mixed.capture(mempool)
+        if mixed is not None:
+            mixed.capture(mempool)
         return decode, mixed
 
     @torch.inference_mode()
