@@ -615,7 +615,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step placement-g4096 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 4096"
             step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
             for f in placement-g1024 placement-g2048 placement-g4096 placement-b1024; do echo "-- $f"
-                grep -E "^ +embeddings \||steps" "$OUT/$f.log"; done ;;
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
