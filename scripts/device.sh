@@ -607,7 +607,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -E "^ +embeddings \|" "$OUT/placement-mid.log" ;;
         graphs-17)  # issue 17: image+text (embeddings layout) with the mixed graphs' largest bucket at 1,024 tokens (the
             # default), 2,048 and 4,096 (--max-graph-tokens), and with the step budget cut to 1,024 instead, in one
-            # call (~320 s); the CUDA tests of the graph paths first (the sync-free submit takes --max-graph-tokens 16)
+            # call (~420 s); the CUDA tests of the graph paths first (the sync-free submit takes --max-graph-tokens 16)
             step graph-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "submitting or graph"
             emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
             step placement-g1024 65 python3 "${emb[@]}"
@@ -615,7 +615,12 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step placement-g4096 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 4096"
             step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
             for f in placement-g1024 placement-g2048 placement-g4096 placement-b1024; do echo "-- $f"
-                grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
+                grep -E "^ +embeddings \|" "$OUT/$f.log"; done
+            # then where the b256 step's host time goes (in process; the whole run sampled, load included)
+            step where-b256 120 /tmp/site/bin/py-spy record --threads --idle --rate 100 --format raw \
+                -o "$OUT/where-b256.txt" -- python3 bench/llm.py --batches 256 --no-hf
+            grep -E "^ +(batch|[0-9]+ )" "$OUT/where-b256.log"
+            python3 scripts/pyspy_summary.py "$OUT/where-b256.txt" --top 20 >"$OUT/where-b256-summary.txt" 2>&1 ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
