@@ -29,7 +29,7 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("cuda-llm")
 
 
-def _engine(path, tokenizer, dtype, cuda_graphs=True, prefix_caching=True, max_graph_tokens=1024):
+def _engine(path, tokenizer, dtype, cuda_graphs=True, prefix_caching=True, max_graph_tokens=2048):
     metrics = Metrics("llm", process_metrics=False)
     config = LLMConfig(model_dir=path, device_type="cuda", dtype=dtype, max_model_len=256, kv_cache_tokens=2048,
                        max_batch_tokens=24, max_num_seqs=8, cuda_graphs=cuda_graphs, prefix_caching=prefix_caching,

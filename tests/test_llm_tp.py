@@ -245,7 +245,7 @@ def test_step_inputs_round_trip_at_tp1():
 def _args(**kw):
     base = dict(tensor_parallel_size=1, max_model_len=None, kv_cache_tokens=None, dummy_weights=False,
                 attention_backend=None, page_size=16, mem_fraction=0.9, max_num_seqs=8, max_batch_tokens=64,
-                max_prefill_chunk=None, max_queue=4, enforce_eager=False, max_graph_tokens=1024, no_fused_kernels=False,
+                max_prefill_chunk=None, max_queue=4, enforce_eager=False, max_graph_tokens=2048, no_fused_kernels=False,
                 vision_encoder=None,
                 audio_encoder=None,
                 encoder_timeout=5.0, allow_foreign_encoders=False, encoder_shared_memory="off", max_message_mb=8,
@@ -270,8 +270,8 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
         dataclasses.replace(config, rank=2)
     with pytest.raises(ConfigError, match="--max-num-seqs 0"):
         LLMConfig.from_args(_args(max_num_seqs=0), model_dir, device=torch.device("cpu"), dtype=torch.float32)
-    assert LLMConfig.from_args(_args(max_graph_tokens=2048), model_dir, device=torch.device("cpu"),
-                               dtype=torch.float32).max_graph_tokens == 2048
+    assert LLMConfig.from_args(_args(max_graph_tokens=512), model_dir, device=torch.device("cpu"),
+                               dtype=torch.float32).max_graph_tokens == 512
     with pytest.raises(ConfigError, match="--max-graph-tokens -1"):
         LLMConfig.from_args(_args(max_graph_tokens=-1), model_dir, device=torch.device("cpu"), dtype=torch.float32)
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shard the model over this many GPUs (ranks 1.. run as child processes)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
-    parser.add_argument("--max-graph-tokens", type=int, default=1024,
+    parser.add_argument("--max-graph-tokens", type=int, default=2048,
                         help="largest step with prompt tokens that replays a CUDA graph (0: every such step eager)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="recompute every prompt: no KV pages shared by content between requests")
