@@ -606,11 +606,11 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             on_tree .mid placement-mid 65 "${emb[@]}"
             grep -E "^ +embeddings \|" "$OUT/placement-mid.log" ;;
         graphs-17)  # issue 17: image+text (embeddings layout) with the mixed graphs' largest bucket at 1,024 tokens (the
-            # default), 2,048 and 4,096 (--max-graph-tokens), and with the step budget cut to 1,024 instead, in one
+            # default when it ran), 2,048 (the default since) and 4,096 (--max-graph-tokens), and with the step budget cut to 1,024 instead, in one
             # call (~420 s); the CUDA tests of the graph paths first (the sync-free submit takes --max-graph-tokens 16)
             step graph-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_llm_cuda.py -k "submitting or graph"
             emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
-            step placement-g1024 65 python3 "${emb[@]}"
+            step placement-g1024 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 1024"
             step placement-g2048 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 2048"
             step placement-g4096 65 python3 "${emb[@]}" --llm-args "--max-graph-tokens 4096"
             step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"

@@ -20,6 +20,7 @@ from modalmesh import distributed, pb
 from modalmesh.errors import ConfigError
 from modalmesh.testing import tiny
 from services.llm.config import LLMConfig
+from services.llm.flags import add_arguments
 from services.llm.step_inputs import StepChannel, StepInputs
 from tests.test_llm_service import LLM, PROMPTS, greedy
 
@@ -246,8 +247,7 @@ def _args(**kw):
     base = dict(tensor_parallel_size=1, max_model_len=None, kv_cache_tokens=None, dummy_weights=False,
                 attention_backend=None, page_size=16, mem_fraction=0.9, max_num_seqs=8, max_batch_tokens=64,
                 max_prefill_chunk=None, max_queue=4, enforce_eager=False, max_graph_tokens=2048, no_fused_kernels=False,
-                vision_encoder=None,
-                audio_encoder=None,
+                vision_encoder=None, audio_encoder=None,
                 encoder_timeout=5.0, allow_foreign_encoders=False, encoder_shared_memory="off", max_message_mb=8,
                 max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=256, max_items_per_request=64,
                 log_level="INFO", switch_interval_ms=None)
@@ -272,6 +272,11 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
         LLMConfig.from_args(_args(max_num_seqs=0), model_dir, device=torch.device("cpu"), dtype=torch.float32)
     assert LLMConfig.from_args(_args(max_graph_tokens=512), model_dir, device=torch.device("cpu"),
                                dtype=torch.float32).max_graph_tokens == 512
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for name in ("max_graph_tokens", "max_batch_tokens", "max_num_seqs", "page_size"):  # one default each
+        assert getattr(defaults, name) == getattr(LLMConfig, name), name
     with pytest.raises(ConfigError, match="--max-graph-tokens -1"):
         LLMConfig.from_args(_args(max_graph_tokens=-1), model_dir, device=torch.device("cpu"), dtype=torch.float32)
 

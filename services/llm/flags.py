@@ -30,9 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard the model over this many GPUs (ranks 1.. run as child processes)")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs for decode steps (they need a graph-safe attention backend)")
+                        help="no CUDA graphs: every step eager (graphs need a graph-safe attention backend)")
     parser.add_argument("--max-graph-tokens", type=int, default=2048,
-                        help="largest step with prompt tokens that replays a CUDA graph (0: every such step eager)")
+                        help="largest step with prompt tokens that replays a CUDA graph, within --max-batch-tokens "
+                             "(0: every such step eager); a step whose tokens would re-read too much context per "
+                             "token in a graph runs eagerly too")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="recompute every prompt: no KV pages shared by content between requests")
     parser.add_argument("--no-fused-kernels", action="store_true",
