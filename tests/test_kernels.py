@@ -383,6 +383,57 @@ def test_bias_and_residual_add_written_upsampled_equals_the_sum_then_interpolate
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("programs", [1024, 6])
+@pytest.mark.parametrize("case", GROUP_NORM_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_residual_add_with_moments_equals_the_add_then_the_norms_own_statistics(device, dtype, layout, programs,
+                                                                                case, monkeypatch):
+    """The residual add that takes the next GroupNorm's statistics: its sum bit for bit the residual kernel's,
+    its moments bit for bit those the norm's own stats pass takes of that sum, and so the norm from them bit
+    for bit the norm alone (6 programs: chunks of several tiles, the last reaching past the pixels)."""
+    from modalmesh.kernels import group_norm as gn
+    from modalmesh.kernels import residual as rk
+
+    monkeypatch.setattr(gn, "DEFAULT", gn.LaunchConfig(programs=programs))
+    n, c, height, width, groups = case
+    torch.manual_seed(9)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    h, r = ((torch.randn(n, c, height, width, device=device) * 3 + 20).to(dtype).contiguous(memory_format=fmt)
+            for _ in range(2))
+    bias = torch.randn(c, device=device) * 4  # float32, as the folded biases are
+    weight, beta = torch.randn(c, device=device).to(dtype), torch.randn(c, device=device).to(dtype)
+    out, moments = gn.add_with_moments(h, bias, r)
+    want = rk.add_bias_residual(h, bias, r)
+    assert out.stride() == want.stride() and out.dtype == dtype
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    own = gn._partial_moments(out, None, gn.DEFAULT)
+    assert moments.chunk_s == own.chunk_s and moments.covers(out)
+    torch.testing.assert_close(moments.mean, own.mean, atol=0, rtol=0)
+    torch.testing.assert_close(moments.m2, own.m2, atol=0, rtol=0)
+    torch.testing.assert_close(gn.group_norm(out, groups, weight, beta, 1e-6, silu=True, moments=moments),
+                               gn.group_norm(out, groups, weight, beta, 1e-6, silu=True), atol=0, rtol=0)
+
+
+def test_group_norm_takes_moments_only_of_its_own_input():
+    """Checked before any kernel runs: moments of another shape, or beside a pre_bias (they are of x itself)."""
+    from modalmesh.kernels import group_norm as gn
+
+    x = torch.randn(1, 8, 4, 4)
+    w, b = torch.ones(8), torch.zeros(8)
+    moments = gn.Moments(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), chunk_s=8)  # 2 chunks of 8 cover 16 pixels
+    assert moments.covers(x)
+    refused = {"a pre_bias": dict(pre_bias=torch.zeros(8)),
+               "other channels": dict(moments=gn.Moments(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), 8)),
+               "other samples": dict(moments=gn.Moments(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), 8)),
+               "too few pixels": dict(moments=gn.Moments(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 8)),
+               "a chunk past them": dict(moments=gn.Moments(torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 8))}
+    for kwargs in refused.values():
+        with pytest.raises(ValueError, match="moments are of x itself"):
+            gn.group_norm(x, 4, w, b, 1e-5, **{"moments": moments, **kwargs})
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(3, 7), (2, 5, 4096), (2, 9000), (4, 1)])
 def test_scaled_softmax_kernel_equals_softmax_then_one_rounding(device, dtype, shape):
@@ -436,8 +487,9 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
     from services.vae.config import VAEConfig
     from services.vae.weights import build_decoder, load_decoder
 
-    calls = []
-    monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(k["silu"]) or _fn(*a, **k))
+    calls, adds = [], []
+    monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(k) or _fn(*a, **k))
+    monkeypatch.setattr(gn, "add_with_moments", lambda *a, _fn=gn.add_with_moments: adds.append(1) or _fn(*a))
     vae_dir = tiny.ensure("vae", tmp_path)
     cfg = VAEConfig.from_dir(vae_dir)
     models = []
@@ -452,7 +504,13 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
         assert not calls
         got = models[1](z)
         got_cl = models[1](z.contiguous(memory_format=torch.channels_last))
-    assert True in calls and False in calls  # the resnets' GroupNorm+SiLU and the attention's GroupNorm
+    # the resnets' GroupNorm+SiLU and the attention's GroupNorm
+    assert {k["silu"] for k in calls} == {True, False}
+    # every resnet output not written upsampled came with its moments, and the norm after it took them
+    ups = sum(b.upsamplers is not None for b in models[1].decoder.up_blocks)
+    resnets = sum(len(b.resnets) for b in models[1].decoder.up_blocks) + 2
+    assert len(adds) == 2 * (resnets - ups) > 0  # two decodes (NCHW, channels-last)
+    assert sum(k["moments"] is not None for k in calls) == len(adds)
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
     torch.testing.assert_close(got_cl, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 

@@ -14,6 +14,9 @@ Here a group's statistics are split over many programs:
   3. `apply`: y = x * a + b' per channel with a = rstd * weight, b' = bias - a * mean (PyTorch's own
      order), rounded to the activation dtype; with SiLU, y * sigmoid(y) of that rounded y, rounded again
      (what `F.silu(F.group_norm(x))` rounds).
+A residual add whose sum a GroupNorm reads next (each VAE resnet block's output) can run as `partial_moments`
+itself (`add_with_moments`): it stores the sum and keeps its moments, and `group_norm(..., moments=)` starts at
+step 2, one read of the tensor fewer.
 Pixels are addressed through the tensor's strides, so NCHW and channels-last take the same kernels and the
 output keeps the input's memory format.
 """
@@ -49,8 +52,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partial_moments(X, PreBias, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
-                        HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    def partial_moments(X, PreBias, R, Out, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
+                        HAS_PRE_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+        # RESIDUAL: x + pre_bias + R is rounded to the activation dtype and stored to Out (R and Out have X's
+        # strides), and the moments are those of what was stored: the pass a residual add makes anyway
         chunk, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
@@ -62,14 +68,19 @@ def _kernels():
         count = tl.zeros([BLOCK_S, 1], dtype=tl.float32)
         mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
-        base = X + n.to(tl.int64) * stride_n
+        base = n.to(tl.int64) * stride_n
         for i in range(iters):
             rows = chunk * chunk_s + i * BLOCK_S + tl.arange(0, BLOCK_S)
             valid = (rows < S)[:, None]
-            x = tl.load(base + rows.to(tl.int64)[:, None] * stride_s + chans.to(tl.int64)[None, :] * stride_c,
-                        mask=valid & cmask[None, :], other=0.0).to(tl.float32)
+            offs = base + rows.to(tl.int64)[:, None] * stride_s + chans.to(tl.int64)[None, :] * stride_c
+            x = tl.load(X + offs, mask=valid & cmask[None, :], other=0.0).to(tl.float32)
             if HAS_PRE_BIAS:
                 x += pre_bias
+            if RESIDUAL:  # (x + b) + r in float32, one rounding: what the residual kernel computes
+                x += tl.load(R + offs, mask=valid & cmask[None, :], other=0.0).to(tl.float32)
+                y = x.to(Out.dtype.element_ty)
+                tl.store(Out + offs, y, mask=valid & cmask[None, :])
+                x = y.to(tl.float32)
             count += valid.to(tl.float32)
             delta = tl.where(valid, x - mean, 0.0)  # a lane past the end of the pixels adds nothing
             # one reciprocal per row of the tile, not a division per element (a row's lanes share their count)
@@ -187,41 +198,84 @@ def plan(n: int, c: int, s: int, stride_c: int, config: LaunchConfig = DEFAULT) 
     return block_s, block_c, -(-s // (iters * block_s)), iters
 
 
+@dataclasses.dataclass(frozen=True)
+class Moments:
+    """A tensor's per-channel partial statistics: its pixels cut into chunks of `chunk_s`, each chunk's mean and
+    sum of squared deviations per channel, (N, chunks, C) float32 each. Any grouping of the channels merges them."""
+
+    mean: torch.Tensor
+    m2: torch.Tensor
+    chunk_s: int
+
+    def covers(self, x: torch.Tensor) -> bool:
+        """Whether these are moments of a tensor of x's shape (cut into chunks that cover its pixels)."""
+        n, chunks, c = self.mean.shape
+        s = x[0, 0].numel()
+        return (n, c) == tuple(x.shape[:2]) and (chunks - 1) * self.chunk_s < s <= chunks * self.chunk_s
+
+
+def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: LaunchConfig,
+                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Moments:
+    """The moments of x (+ pre_bias); with `residual`, of x + pre_bias + residual, which is also stored to `out`
+    (both of x's strides)."""
+    partial_moments = _kernels()[0]
+    n, c = x.shape[0], x.shape[1]
+    s = x[0, 0].numel()
+    stride_n, stride_c, stride_s = _pixel_strides(x)
+    block_s, block_c, chunks, iters = plan(n, c, s, stride_c, config)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    moments = Moments(torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32), iters * block_s)
+    has_pre_bias, has_residual = pre_bias is not None, residual is not None
+    partial_moments[(chunks, n, -(-c // block_c))](
+        x, pre_bias if has_pre_bias else x, residual if has_residual else x, out if has_residual else x,
+        moments.mean, moments.m2, s, c, stride_n, stride_c, stride_s, moments.chunk_s, iters,
+        HAS_PRE_BIAS=has_pre_bias, RESIDUAL=has_residual, BLOCK_S=block_s, BLOCK_C=block_c,
+        num_warps=8 if block_s * block_c >= 2048 else 4)  # pointers a flag turns off are never read
+    return moments
+
+
+def add_with_moments(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                     config: LaunchConfig | None = None) -> tuple[torch.Tensor, Moments]:
+    """(residual + h + bias per channel, rounded once to h's dtype, in h's memory format; its moments).
+
+    A VAE resnet block's residual add feeds the next GroupNorm: taking that norm's statistics in the add's own
+    pass saves the norm a read of the tensor. `residual_kernels.fusable(h, bias, residual)` must hold."""
+    out = torch.empty_like(h)
+    return out, _partial_moments(h, bias, config or DEFAULT, residual, out)
+
+
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,
-               silu: bool = False, pre_bias: torch.Tensor | None = None, config: LaunchConfig | None = None
-               ) -> torch.Tensor:
+               silu: bool = False, pre_bias: torch.Tensor | None = None, moments: Moments | None = None,
+               config: LaunchConfig | None = None) -> torch.Tensor:
     """F.group_norm(x, groups, weight, bias, eps), followed by F.silu with `silu`; `x` is (N, C, *spatial).
 
     `pre_bias` (C,) is added to x per channel first, in float32 (a convolution's bias, left out of it: the
-    add costs a pass over x of its own)."""
-    partial_moments, group_moments, apply = _kernels()
+    add costs a pass over x of its own). `moments` are x's own, taken by the pass that wrote it
+    (`add_with_moments`), so the statistics pass is skipped."""
+    if moments is not None and (pre_bias is not None or not moments.covers(x)):
+        raise ValueError("moments are of x itself: no pre_bias beside them, and of x's shape")
+    _, group_moments, apply = _kernels()
     config = config or DEFAULT
     n, c = x.shape[0], x.shape[1]
     s = x[0, 0].numel()
     cpg = c // groups
     stride_n, stride_c, stride_s = _pixel_strides(x)
-    block_s, block_c, chunks, iters = plan(n, c, s, stride_c, config)
-    chunk_s = iters * block_s
-    c_blocks = -(-c // block_c)
+    if moments is None:
+        moments = _partial_moments(x, pre_bias, config)
     f32 = dict(dtype=torch.float32, device=x.device)
-    mean_p, m2_p = torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32)
-    warps = 8 if block_s * block_c >= 2048 else 4
-    has_pre_bias = pre_bias is not None
-    pre_bias = pre_bias if has_pre_bias else bias  # a pointer the kernels never read
-    partial_moments[(chunks, n, c_blocks)](x, pre_bias, mean_p, m2_p, s, c, stride_n, stride_c, stride_s, chunk_s,
-                                           iters, HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s, BLOCK_C=block_c,
-                                           num_warps=warps)
     group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
     block_cg = block(cpg)
-    group_moments[(n * groups,)](mean_p, m2_p, group_mean, group_rstd, s, c, groups, cpg, chunk_s, chunks,
-                                 float(s * cpg), float(eps), BLOCK_K=max(MOMENTS_TILE // block_cg, 1),
-                                 BLOCK_CG=block_cg, num_warps=4)
+    chunks = moments.mean.shape[1]
+    group_moments[(n * groups,)](moments.mean, moments.m2, group_mean, group_rstd, s, c, groups, cpg,
+                                 moments.chunk_s, chunks, float(s * cpg), float(eps),
+                                 BLOCK_K=max(MOMENTS_TILE // block_cg, 1), BLOCK_CG=block_cg, num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
     block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
     c_blocks = -(-c // block_c)
     warps = 8 if block_s * block_c >= 2048 else 4
-    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, pre_bias, group_mean, group_rstd, s, c, groups,
-                                           cpg, stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu,
-                                           HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s, BLOCK_C=block_c,
-                                           num_warps=warps)
+    has_pre_bias = pre_bias is not None
+    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, pre_bias if has_pre_bias else bias, group_mean,
+                                           group_rstd, s, c, groups, cpg, stride_n, stride_c, stride_s,
+                                           *_pixel_strides(out), SILU=silu, HAS_PRE_BIAS=has_pre_bias,
+                                           BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
     return out

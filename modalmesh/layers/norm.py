@@ -12,7 +12,8 @@ GroupNorm is nn.GroupNorm (same parameters, so checkpoints load by the same name
 with the SiLU that follows it in a VAE's resnet blocks folded in (``silu=True``);
 ``fused=True`` runs both as `modalmesh.kernels.group_norm` on CUDA, in NCHW or
 channels-last; ``forward(x, pre_bias)`` also adds a per-channel bias first (the bias of
-the convolution before it, which that convolution then leaves out).
+the convolution before it, which that convolution then leaves out), and ``forward(x, moments=)``
+takes x's statistics from the kernel that wrote x.
 """
 
 from __future__ import annotations
@@ -100,13 +101,15 @@ class GroupNorm(nn.GroupNorm):
         self.silu = silu
         self.fused = fused
 
-    def forward(self, x: torch.Tensor, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pre_bias: torch.Tensor | None = None,
+                moments: group_norm_kernels.Moments | None = None) -> torch.Tensor:
         """GroupNorm(+SiLU) of x, or of x + `pre_bias` per channel (a convolution's bias that its conv left
-        out, so the add rides this pass instead of a pass of its own)."""
+        out, so the add rides this pass instead of a pass of its own). `moments`: x's statistics, taken by the
+        kernel that wrote x (`group_norm_kernels.add_with_moments`); the PyTorch path has no use for them."""
         if self.fused and kernels.usable(x) and group_norm_kernels.fusable(x, self.num_groups, self.weight,
                                                                            self.bias, pre_bias):
             return group_norm_kernels.group_norm(x, self.num_groups, self.weight, self.bias, self.eps, silu=self.silu,
-                                                 pre_bias=pre_bias)
+                                                 pre_bias=pre_bias, moments=moments)
         if pre_bias is not None:
             x = x + pre_bias.to(x.dtype).view(-1, *[1] * (x.dim() - 2))
         y = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)

@@ -30,6 +30,7 @@ from torch import nn
 
 from modalmesh import kernels
 from modalmesh.attention import Attention
+from modalmesh.kernels import group_norm as group_norm_kernels
 from modalmesh.kernels import residual as residual_kernels
 from modalmesh.layers import GroupNorm
 from modalmesh.models import CheckpointModel
@@ -61,7 +62,9 @@ class ResnetBlock(nn.Module):
     With fused kernels the convolutions run without their biases, which ride the passes after them: conv1's
     in norm2, conv2's in the residual add (PyTorch adds a convolution's bias in a pass of its own). The block
     also takes a bias its input still lacks (`input_bias`, from the convolution before it): it rides norm1
-    and the residual add, through the shortcut's 1x1 projection where there is one."""
+    and the residual add, through the shortcut's 1x1 projection where there is one. Its residual add takes
+    the GroupNorm statistics of its output (`group_norm_kernels.add_with_moments`), which the next block's
+    norm1 (or the norm after the block) then need not read the output for."""
 
     def __init__(self, cin: int, cout: int, groups: int, eps: float, fused: bool):
         super().__init__()
@@ -75,22 +78,27 @@ class ResnetBlock(nn.Module):
     def shortcut(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.conv_shortcut is None else self.conv_shortcut(x)
 
-    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None, *,
-                upsample: bool = False) -> torch.Tensor:
-        """The block's output for input x + `input_bias` per channel; with `upsample`, nearest 2x upsampled
-        (the up block's upsampler, written by the residual add)."""
+    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None,
+                moments: group_norm_kernels.Moments | None = None, *,
+                upsample: bool = False) -> tuple[torch.Tensor, group_norm_kernels.Moments | None]:
+        """(the block's output for input x + `input_bias` per channel, its GroupNorm moments where the residual
+        kernel took them, else None). `moments` are x's own (from the block before). With `upsample` the output
+        is nearest 2x upsampled (the up block's upsampler, written by the residual add), and has no moments:
+        a convolution reads it next."""
         if not (self.fused and kernels.usable(x)):
             if input_bias is not None:
                 x = x + input_bias.to(x.dtype).view(-1, 1, 1)
             out = self.shortcut(x) + self.conv2(self.norm2(self.conv1(self.norm1(x))))
-            return upsample_nearest_2x(out) if upsample else out
-        h = F.conv2d(self.norm1(x, pre_bias=input_bias), self.conv1.weight, None, padding=1)
+            return (upsample_nearest_2x(out) if upsample else out), None
+        h = F.conv2d(self.norm1(x, pre_bias=input_bias, moments=moments), self.conv1.weight, None, padding=1)
         h = F.conv2d(self.norm2(h, pre_bias=self.conv1.bias), self.conv2.weight, None, padding=1)
         residual, bias = self._residual(x, input_bias)
         if residual_kernels.fusable(h, bias, residual):
-            return residual_kernels.add_bias_residual(h, bias, residual, upsample=upsample)
+            if upsample:
+                return residual_kernels.add_bias_residual(h, bias, residual, upsample=True), None
+            return group_norm_kernels.add_with_moments(h, bias, residual)
         out = residual_kernels.reference(h, bias, residual)
-        return upsample_nearest_2x(out) if upsample else out
+        return (upsample_nearest_2x(out) if upsample else out), None
 
     def _residual(self, x: torch.Tensor, input_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The shortcut of x without any bias, and the biases the output still lacks, summed in float32: conv2's,
@@ -119,9 +127,9 @@ class SpatialSelfAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
         self.attn = Attention(self.heads, head_dim, component="vae", dtype=dtype, seqlen_hint=seqlen_hint)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, moments: group_norm_kernels.Moments | None = None) -> torch.Tensor:
         b, c, h, w = x.shape
-        seq = self.group_norm(x).flatten(2).transpose(1, 2)  # (B, h*w, C)
+        seq = self.group_norm(x, moments=moments).flatten(2).transpose(1, 2)  # (B, h*w, C)
         q, k, v = (proj(seq).view(b, h * w, self.heads, self.head_dim) for proj in (self.to_q, self.to_k, self.to_v))
         out = self.to_out[0](self.attn(q, k, v).reshape(b, h * w, c))
         return x + out.transpose(1, 2).reshape(b, c, h, w)
@@ -136,11 +144,13 @@ class MidBlock(nn.Module):
             [SpatialSelfAttention(channels, cfg.attention_head_dim, groups, eps, dtype, seqlen_hint, fused)]
             if cfg.mid_block_add_attention else [])
 
-    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.resnets[0](x, input_bias)
+    def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, group_norm_kernels.Moments | None]:
+        """(output, its GroupNorm moments or None), as ResnetBlock.forward."""
+        x, moments = self.resnets[0](x, input_bias)
         for attn in self.attentions:
-            x = attn(x)
-        return self.resnets[1](x)
+            x, moments = attn(x, moments), None
+        return self.resnets[1](x, None, moments)
 
 
 def upsample_nearest_2x(x: torch.Tensor) -> torch.Tensor:
@@ -174,22 +184,25 @@ class UpDecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for resnet in self.resnets:
-            x = resnet(x)
+            x, _ = resnet(x)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x)
         return x
 
-    def forward_folded(self, x: torch.Tensor,
-                       input_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward(x + `input_bias`) for the fused path, as (output, the bias it still lacks): the last resnet
-        writes its output upsampled, and the upsampler's convolution leaves its bias to the next layer."""
+    def forward_folded(self, x: torch.Tensor, input_bias: torch.Tensor | None,
+                       moments: group_norm_kernels.Moments | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, group_norm_kernels.Moments | None]:
+        """forward(x + `input_bias`) for the fused path, x's `moments` taken by the block before, as (output, the
+        bias it still lacks, its moments or None): the last resnet writes its output upsampled, and the
+        upsampler's convolution leaves its bias to the next layer."""
         last = len(self.resnets) - 1
         for i, resnet in enumerate(self.resnets):
-            x = resnet(x, input_bias if i == 0 else None, upsample=i == last and self.upsamplers is not None)
+            x, moments = resnet(x, input_bias if i == 0 else None, moments,
+                                upsample=i == last and self.upsamplers is not None)
         if self.upsamplers is None:
-            return x, None
+            return x, None, moments
         conv = self.upsamplers[0].conv
-        return F.conv2d(x, conv.weight, None, padding=1), conv.bias
+        return F.conv2d(x, conv.weight, None, padding=1), conv.bias, None
 
 
 class Decoder(nn.Module):
@@ -210,7 +223,7 @@ class Decoder(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         if self.fused and kernels.usable(z):
             return self._forward_folded(z)
-        x = self.mid_block(self.conv_in(z))
+        x, _ = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             x = block(x)
         return self.conv_out(self.conv_norm_out(x))
@@ -220,11 +233,11 @@ class Decoder(nn.Module):
         and each upsampler's ride the next resnet block's first GroupNorm and residual add (a bias add of its
         own is a pass over the tensor: 8 of them were 2.0 ms of the decoder at 1024² bf16 on an H100)."""
         x = F.conv2d(z, self.conv_in.weight, None, padding=1)
-        x = self.mid_block(x, input_bias=self.conv_in.bias)
+        x, moments = self.mid_block(x, input_bias=self.conv_in.bias)
         bias = None
         for block in self.up_blocks:
-            x, bias = block.forward_folded(x, bias)
-        return self.conv_out(self.conv_norm_out(x, pre_bias=bias))
+            x, bias, moments = block.forward_folded(x, bias, moments)
+        return self.conv_out(self.conv_norm_out(x, pre_bias=bias, moments=moments))
 
 
 class AutoencoderKLDecoder(nn.Module, CheckpointModel):
