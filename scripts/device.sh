@@ -35,6 +35,7 @@
 #   bash scripts/device.sh towers-table-19       # issue 19's towers beside HF eager and compiled, the fixed tower tests
 #   bash scripts/device.sh norms-check-19        # issue 19: the review mends' kernel tests on CUDA (~60 s)
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
+#   bash scripts/device.sh vae4-19               # issue 19: GroupNorm stats in the residual add, A/B (.prev), the sweep
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -527,6 +528,22 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
             for f in audio-ab audio-unfused; do echo "-- $f"
                 grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
+        vae4-19)  # issue 19, stop 50 call 1: the residual add that takes the next GroupNorm's statistics. Its CUDA
+            # tests; bf16 1024^2 (batch 1 and the tiles' batch 4) and the tiled 4096^2 on .prev (`git archive bf09df3`,
+            # carried) and on this tree, profiled; then the GroupNorm launch-config sweep. Limits sum to 490 s
+            step vae4-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "moments or group_norm or vae_decoder or bias_and_residual or cuda"
+            vae_args=(--sizes 1024 --dtypes bfloat16 --largest-sides 4096 --largest-channels-last
+                            --peer-compile none --no-unfused --warmup 2 --iters 10)
+            on_tree .prev vae4-prev 80 bench/vae.py "${vae_args[@]}"
+            step vae4-new 110 python3 bench/vae.py "${vae_args[@]}" --profile
+            step vae4-b4 50 python3 bench/vae.py --sizes 1024 --dtypes bfloat16 --largest '' --peer-compile none \
+                --no-unfused --warmup 2 --iters 5 --batch 4
+            step gn-sweep 150 python3 bench/group_norm.py
+            for f in vae4-prev vae4-new vae4-b4; do echo "-- $f"; grep -h "^|" "$OUT/$f.log"; done
+            awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae4-new.log
+            grep -h -A12 "^top kernels, ours NHWC" "$OUT"/vae4-new.log | cut -c1-150
+            tail -30 "$OUT/gn-sweep.log" ;;
         profile-towers-19)  # issue 19, after towers-19: where the towers' time goes now (limits sum to 170 s)
             step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
                 --no-hf --peer-compile none --profile
