@@ -81,8 +81,8 @@ RUN /opt/modalmesh/bin/pip install -q --no-deps --no-index /tmp/dist/*.whl \
     && rm -rf /tmp/dist \
     && /opt/modalmesh/bin/python -c "from modalmesh import pb; print('stubs', pb.LLM_SERVICE)" \
     && useradd --uid 10001 --create-home --shell /usr/sbin/nologin modalmesh \
-    && mkdir -p /models \
-    && chown modalmesh:modalmesh /models
+    && mkdir -p /models /var/cache/modalmesh \
+    && chown modalmesh:modalmesh /models /var/cache/modalmesh
 ENV PATH=/opt/modalmesh/bin:$PATH \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

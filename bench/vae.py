@@ -120,12 +120,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model and sizes (runs on CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--peer-compile", default="default", metavar="MODES", help=PEER_COMPILE_HELP)
+    parser.add_argument("--ours-compile", default="none", metavar="MODES",
+                        help="also time our NHWC decoder under torch.compile in these modes (as --peer-compile), "
+                             "printed under the table beside its eager time")
     parser.add_argument("--peer-channels-last", action="store_true",
                         help="diffusers' compiled columns on a channels-last model and latents (its eager stays NCHW)")
     parser.add_argument("--profile", action="store_true",
                         help="our decoder under torch.profiler at the largest size: busy vs wall, top kernels")
     args = parser.parse_args(argv)
     compile_modes = peer_compile_modes(args.peer_compile)
+    ours_compile_modes = peer_compile_modes(args.ours_compile)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -205,6 +209,20 @@ def main(argv=None) -> int:
             print(f"| {size}x{size} | {dtype_name} | {backend} | {ours_ms:.2f} | {nhwc_ms:.2f} | {unfused_ms:.2f} | "
                   f"{ref_ms:.2f} | "
                   f"{ref_ms / best:.2f}x |{compiled_cells} {ours_peak:.2f} | {ref_peak:.2f} | {diff:.2e} |", flush=True)
+            for mode in ours_compile_modes:  # our own decoder compiled: does inductor find more than our kernels?
+                target, zin = (nhwc, zc) if nhwc is not None else (ours, z)
+                forward, compile_s, why = compile_peer(target, lambda model: model(zin), mode, device)
+                if forward is None:
+                    print(f"# ours compiled ({mode}), {size}x{size} {dtype_name}: not run: {why}", flush=True)
+                    continue
+                compiled_ms = timer(forward, device, args.warmup, args.iters) / args.batch
+                eager_ms = nhwc_ms if nhwc is not None else ours_ms
+                print(f"# ours compiled ({mode}, {'NHWC' if nhwc is not None else 'NCHW'}), {size}x{size} "
+                      f"{dtype_name}: {compiled_ms:.2f} ms/img against {eager_ms:.2f} eager (compile {compile_s:.1f} s, "
+                      f"max|compiled-eager| {(forward().float() - target(zin).float()).abs().max().item():.2e})",
+                      flush=True)
+                del forward
+                release_compiled(device)
             if args.profile and size == max(sizes):
                 calls = {f"ours NCHW {dtype_name}": lambda: ours(z)}
                 if nhwc is not None:

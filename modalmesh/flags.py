@@ -129,6 +129,9 @@ def service_parser(service: str, description: str, *, max_message_mb: int = 64) 
                         help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU, or the service's own)")
     parser.add_argument("--attention-backend", default=None, help="e.g. 'sdpa_math' or 'llm=fa3,vision_encoder=sdpa_cudnn'")
     parser.add_argument("--dummy-weights", action="store_true", help="random weights of the checkpoint's shapes")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="keep compiled kernels (Triton's and inductor's caches) in DIR, so a restart reads them "
+                             "instead of compiling again (default: the libraries' own, ~/.triton and /tmp)")
     parser.add_argument("--max-message-mb", type=int, default=max_message_mb, help="largest gRPC message accepted/sent")
     parser.add_argument("--max-connection-age", type=float, default=300.0,
                         help="seconds before a client connection is asked to reconnect (load balancing); 0: never")

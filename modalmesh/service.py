@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import modalmesh
-from modalmesh import attention
+from modalmesh import attention, compile_cache
 from modalmesh import metrics as metrics_mod
 from modalmesh import heap, pb
 from modalmesh import tracing
@@ -202,6 +202,7 @@ def run(service_cls: type[Service], argv: Sequence[str] | None = None) -> int:
     service_cls.add_arguments(parser)
 
     def setup(args: argparse.Namespace, metrics: metrics_mod.Metrics) -> Callable[[asyncio.Event], Awaitable[int]]:
+        compile_cache.configure(args.compile_cache)  # before anything compiles; children inherit it
         service = service_cls(args, metrics)
         config = server_config(args, service.security)
         return lambda stop: _serve(service, config, args, metrics, stop)

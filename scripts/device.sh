@@ -36,6 +36,8 @@
 #   bash scripts/device.sh norms-check-19        # issue 19: the review mends' kernel tests on CUDA (~60 s)
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh vae4-19               # issue 19: GroupNorm stats in the residual add, A/B (.prev), the sweep
+#   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
+#   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -544,6 +546,15 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae4-new.log
             grep -h -A12 "^top kernels, ours NHWC" "$OUT"/vae4-new.log | cut -c1-150
             tail -30 "$OUT/gn-sweep.log" ;;
+        ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
+            step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
+            grep -h "^|\|^# ours compiled" "$OUT/vae-ours-compiled.log" ;;
+        startup-19)  # issue 19's warm start: each service's seconds to SERVING with an empty --compile-cache and with
+            # the one that start filled, the VAE's first 1024² decode, and diffusers' VAE compiled (default) the same
+            # two ways. Limits sum to 420 s
+            step startup 420 python3 bench/startup.py
+            grep -h "^|" "$OUT/startup.log" ;;
         profile-towers-19)  # issue 19, after towers-19: where the towers' time goes now (limits sum to 170 s)
             step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
                 --no-hf --peer-compile none --profile
