@@ -89,12 +89,12 @@ PEER_COMPILE_HELP = ("also time the peer under torch.compile, one column per mod
                      "takes minutes per shape on a GPU: opt in")
 
 
-def peer_compile_modes(spec: str) -> list[str]:
-    """The `--peer-compile` modes in order; [] for 'none' or ''."""
+def peer_compile_modes(spec: str, flag: str = "--peer-compile") -> list[str]:
+    """The torch.compile modes `flag` names, in order; [] for 'none' or ''."""
     modes = [m.strip() for m in spec.split(",") if m.strip() and m.strip() != "none"]
     unknown = [m for m in modes if m not in COMPILE_MODES]
     if unknown:
-        raise SystemExit(f"--peer-compile: unknown mode(s) {', '.join(unknown)}")
+        raise SystemExit(f"{flag}: unknown mode(s) {', '.join(unknown)}")
     return modes
 
 

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                         help="our decoder under torch.profiler at the largest size: busy vs wall, top kernels")
     args = parser.parse_args(argv)
     compile_modes = peer_compile_modes(args.peer_compile)
-    ours_compile_modes = peer_compile_modes(args.ours_compile)
+    ours_compile_modes = peer_compile_modes(args.ours_compile, "--ours-compile")
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))

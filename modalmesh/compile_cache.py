@@ -31,7 +31,7 @@ class CompileCache:
         return {"TRITON_CACHE_DIR": str(self.root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(self.root / "inductor")}
 
     def entries(self) -> tuple[int, int]:
-        """(files, bytes) held now."""
+        """(files, bytes) held now (a walk of the whole tree: for benches, not start-up)."""
         files = [p for p in self.root.rglob("*") if p.is_file()]
         return len(files), sum(p.stat().st_size for p in files)
 
@@ -42,14 +42,13 @@ def configure(path: str | None) -> CompileCache | None:
     if not path:
         return None
     cache = CompileCache(Path(path).expanduser().resolve())
-    try:
-        for directory in cache.environment().values():
+    for directory in cache.environment().values():
+        try:
             Path(directory).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--compile-cache {path}: cannot create it: {exc.strerror}") from None
-    if not os.access(cache.root, os.W_OK | os.X_OK):
-        raise ConfigError(f"--compile-cache {path}: not writable by this user")
-    os.environ.update(cache.environment())
-    files, size = cache.entries()
-    log.info("compile cache %s: %d files, %.1f MB", cache.root, files, size / 1e6)
+        except OSError as exc:
+            raise ConfigError(f"--compile-cache {path}: cannot create it: {exc.strerror}") from None
+        if not os.access(directory, os.W_OK | os.X_OK):  # else the first compile fails, mid-start
+            raise ConfigError(f"--compile-cache {path}: {directory} is not writable by this user")
+    os.environ.update(cache.environment())  # the flag wins over variables set by hand
+    log.info("compile cache: %s", cache.root)
     return cache

@@ -550,11 +550,13 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
             grep -h "^|\|^# ours compiled" "$OUT/vae-ours-compiled.log" ;;
-        startup-19)  # issue 19's warm start: each service's seconds to SERVING with an empty --compile-cache and with
-            # the one that start filled, the VAE's first 1024² decode, and diffusers' VAE compiled (default) the same
-            # two ways. Limits sum to 420 s
-            step startup 420 python3 bench/startup.py
-            grep -h "^|" "$OUT/startup.log" ;;
+        startup-19)  # issue 19's warm start: seconds to SERVING with an empty --compile-cache and with the one that
+            # start filled, for the VAE (and its first 1024² decode) and the LLM (Qwen2.5-7B shape, the most kernel
+            # forms), then diffusers' VAE compiled (default mode) started the same two ways. Limits sum to 500 s
+            step startup-vae 100 python3 bench/startup.py --services vae --peer-modes ''
+            step startup-llm 200 python3 bench/startup.py --services llm --peer-modes ''
+            step startup-peer 200 python3 bench/startup.py --services '' --peer-modes default
+            grep -h "^| [op]" "$OUT"/startup-{vae,llm,peer}.log ;;
         profile-towers-19)  # issue 19, after towers-19: where the towers' time goes now (limits sum to 170 s)
             step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
                 --no-hf --peer-compile none --profile

@@ -14,14 +14,20 @@ import subprocess, sys
 from modalmesh import compile_cache
 compile_cache.configure(sys.argv[1])
 child = '''
-from torch._inductor.runtime.cache_dir_utils import cache_dir
+try:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+except ImportError:  # torch < 2.6
+    from torch._inductor.runtime.runtime_utils import cache_dir
 print(cache_dir())
 try:
-    from triton import knobs
-except ImportError:
-    print("no triton")
-else:
+    from triton import knobs  # Triton >= 3.4
     print(knobs.cache.dir)
+except ImportError:
+    try:
+        from triton.runtime.cache import default_cache_dir
+        print(default_cache_dir())
+    except ImportError:
+        print("no triton")
 '''
 print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout, end="")
 """
@@ -38,11 +44,12 @@ def test_triton_and_inductor_cache_under_the_directory_in_a_child_process(tmp_pa
 
 
 def test_no_directory_leaves_the_libraries_defaults(monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    assert compile_cache.configure(None) is None and compile_cache.configure("") is None
     import os
 
-    assert "TRITON_CACHE_DIR" not in os.environ
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert compile_cache.configure(None) is None and compile_cache.configure("") is None
+    assert "TRITON_CACHE_DIR" not in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 
 
 def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path):

@@ -383,7 +383,7 @@ def test_bias_and_residual_add_written_upsampled_equals_the_sum_then_interpolate
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("programs", [1024, 6])
 @pytest.mark.parametrize("case", GROUP_NORM_CASES, ids=lambda c: "x".join(map(str, c)))
@@ -411,26 +411,38 @@ def test_residual_add_with_moments_equals_the_add_then_the_norms_own_statistics(
     assert moments.chunk_s == own.chunk_s and moments.covers(out)
     torch.testing.assert_close(moments.mean, own.mean, atol=0, rtol=0)
     torch.testing.assert_close(moments.m2, own.m2, atol=0, rtol=0)
-    torch.testing.assert_close(gn.group_norm(out, groups, weight, beta, 1e-6, silu=True, moments=moments),
-                               gn.group_norm(out, groups, weight, beta, 1e-6, silu=True), atol=0, rtol=0)
+    want = gn.group_norm(out, groups, weight, beta, 1e-6, silu=True)
+    passes = []
+    monkeypatch.setattr(gn, "_partial_moments", lambda *a, **k: passes.append(1))
+    got = gn.group_norm(out, groups, weight, beta, 1e-6, silu=True, moments=moments)
+    assert not passes  # the norm started from the add's moments: no stats pass of its own
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_group_norm_takes_moments_only_of_its_own_input():
-    """Checked before any kernel runs: moments of another shape, or beside a pre_bias (they are of x itself)."""
+    """Checked before any kernel runs: moments of another tensor, even one of x's shape, or beside a pre_bias
+    (they are of x itself); and the residual add with moments takes only a pair it can read through h's strides."""
     from modalmesh.kernels import group_norm as gn
 
     x = torch.randn(1, 8, 4, 4)
     w, b = torch.ones(8), torch.zeros(8)
-    moments = gn.Moments(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), chunk_s=8)  # 2 chunks of 8 cover 16 pixels
-    assert moments.covers(x)
-    refused = {"a pre_bias": dict(pre_bias=torch.zeros(8)),
-               "other channels": dict(moments=gn.Moments(torch.zeros(1, 2, 4), torch.zeros(1, 2, 4), 8)),
-               "other samples": dict(moments=gn.Moments(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), 8)),
-               "too few pixels": dict(moments=gn.Moments(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 8)),
-               "a chunk past them": dict(moments=gn.Moments(torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 8))}
+
+    def moments_of(t):
+        return gn.Moments(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), 8, gn.Moments.identity(t))
+
+    assert moments_of(x).covers(x)
+    refused = {"a pre_bias": dict(moments=moments_of(x), pre_bias=torch.zeros(8)),
+               "another tensor of x's shape": dict(moments=moments_of(x.clone())),
+               "x's storage in another layout": dict(moments=moments_of(x.view(1, 8, 16, 1))),
+               "a bigger tensor": dict(moments=moments_of(torch.randn(1, 8, 5, 5)))}
     for kwargs in refused.values():
         with pytest.raises(ValueError, match="moments are of x itself"):
-            gn.group_norm(x, 4, w, b, 1e-5, **{"moments": moments, **kwargs})
+            gn.group_norm(x, 4, w, b, 1e-5, **kwargs)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    for h, r, bias in ((x, cl, torch.zeros(8)), (x, x[:, :, :2], torch.zeros(8)), (x, x.double(), torch.zeros(8)),
+                       (x, x.clone(), torch.zeros(4))):
+        with pytest.raises(ValueError, match="add_with_moments: h and residual of one shape"):
+            gn.add_with_moments(h, bias, r)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -487,9 +499,10 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
     from services.vae.config import VAEConfig
     from services.vae.weights import build_decoder, load_decoder
 
-    calls, adds = [], []
+    calls, adds, passes = [], [], []
     monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(k) or _fn(*a, **k))
     monkeypatch.setattr(gn, "add_with_moments", lambda *a, _fn=gn.add_with_moments: adds.append(1) or _fn(*a))
+    monkeypatch.setattr(gn, "_partial_moments", lambda *a, _fn=gn._partial_moments, **k: passes.append(1) or _fn(*a, **k))
     vae_dir = tiny.ensure("vae", tmp_path)
     cfg = VAEConfig.from_dir(vae_dir)
     models = []
@@ -511,6 +524,7 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
     resnets = sum(len(b.resnets) for b in models[1].decoder.up_blocks) + 2
     assert len(adds) == 2 * (resnets - ups) > 0  # two decodes (NCHW, channels-last)
     assert sum(k["moments"] is not None for k in calls) == len(adds)
+    assert len(passes) == len(calls)  # a stats pass per norm: its own, or the add's that it took
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
     torch.testing.assert_close(got_cl, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 

@@ -200,18 +200,22 @@ def plan(n: int, c: int, s: int, stride_c: int, config: LaunchConfig = DEFAULT) 
 
 @dataclasses.dataclass(frozen=True)
 class Moments:
-    """A tensor's per-channel partial statistics: its pixels cut into chunks of `chunk_s`, each chunk's mean and
-    sum of squared deviations per channel, (N, chunks, C) float32 each. Any grouping of the channels merges them."""
+    """One tensor's per-channel partial statistics: its pixels cut into chunks of `chunk_s`, each chunk's mean and
+    sum of squared deviations per channel, (N, chunks, C) float32 each. Any grouping of the channels merges them.
+    `of` names the tensor they were taken of (its storage, shape and strides)."""
 
     mean: torch.Tensor
     m2: torch.Tensor
     chunk_s: int
+    of: tuple
+
+    @staticmethod
+    def identity(x: torch.Tensor) -> tuple:
+        return x.data_ptr(), tuple(x.shape), x.stride(), x.dtype
 
     def covers(self, x: torch.Tensor) -> bool:
-        """Whether these are moments of a tensor of x's shape (cut into chunks that cover its pixels)."""
-        n, chunks, c = self.mean.shape
-        s = x[0, 0].numel()
-        return (n, c) == tuple(x.shape[:2]) and (chunks - 1) * self.chunk_s < s <= chunks * self.chunk_s
+        """Whether these are x's own moments (the tensor they were taken of, not one merely of its shape)."""
+        return self.of == Moments.identity(x)
 
 
 def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: LaunchConfig,
@@ -224,7 +228,8 @@ def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: Lau
     stride_n, stride_c, stride_s = _pixel_strides(x)
     block_s, block_c, chunks, iters = plan(n, c, s, stride_c, config)
     f32 = dict(dtype=torch.float32, device=x.device)
-    moments = Moments(torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32), iters * block_s)
+    moments = Moments(torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32), iters * block_s,
+                      Moments.identity(out if residual is not None else x))
     has_pre_bias, has_residual = pre_bias is not None, residual is not None
     partial_moments[(chunks, n, -(-c // block_c))](
         x, pre_bias if has_pre_bias else x, residual if has_residual else x, out if has_residual else x,
@@ -236,11 +241,16 @@ def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: Lau
 
 def add_with_moments(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                      config: LaunchConfig | None = None) -> tuple[torch.Tensor, Moments]:
-    """(residual + h + bias per channel, rounded once to h's dtype, in h's memory format; its moments).
+    """((h + bias per channel) + residual in float32, rounded once to h's dtype, in h's memory format; its
+    moments): what `residual.add_bias_residual` computes, bit for bit.
 
     A VAE resnet block's residual add feeds the next GroupNorm: taking that norm's statistics in the add's own
-    pass saves the norm a read of the tensor. `residual_kernels.fusable(h, bias, residual)` must hold."""
-    out = torch.empty_like(h)
+    pass saves the norm a read of the tensor. h and residual must be of one shape, dtype and dense layout
+    (`residual.fusable`): the kernel reads both, and writes the sum, through h's strides."""
+    if (residual.shape != h.shape or residual.stride() != h.stride() or residual.dtype != h.dtype
+            or _pixel_strides(h) is None or bias.numel() != h.shape[1]):
+        raise ValueError("add_with_moments: h and residual of one shape, dtype and layout, a bias per channel")
+    out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=h.device)  # written through h's strides
     return out, _partial_moments(h, bias, config or DEFAULT, residual, out)
 
 
@@ -253,7 +263,7 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     add costs a pass over x of its own). `moments` are x's own, taken by the pass that wrote it
     (`add_with_moments`), so the statistics pass is skipped."""
     if moments is not None and (pre_bias is not None or not moments.covers(x)):
-        raise ValueError("moments are of x itself: no pre_bias beside them, and of x's shape")
+        raise ValueError("moments are of x itself (the tensor they were taken of), with no pre_bias beside them")
     _, group_moments, apply = _kernels()
     config = config or DEFAULT
     n, c = x.shape[0], x.shape[1]

@@ -7,6 +7,9 @@ the bias adds were 6.3 of its 42 ms at 1024² bf16 on an H100 (2026-12-05). Here
 without its bias and this kernel adds both. It rounds once to the activation dtype, where PyTorch's path
 rounds after the bias and again after the sum: within one rounding of it, and closer to float32.
 
+A resnet block whose output a GroupNorm reads next runs this add as that norm's statistics pass instead
+(`group_norm.add_with_moments`, the same sum bit for bit); this kernel's plain form is the reference for it.
+
 A VAE up block's last resnet feeds its nearest 2x upsampler, and nothing else reads the block's output at its
 own size. With ``upsample=True`` each sum goes straight to its 4 places in the upsampled output, so neither
 the output at its own size nor a copy kernel's pass over it exists (the copies were 1.3 ms of the decoder at
