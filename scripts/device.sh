@@ -35,7 +35,8 @@
 #   bash scripts/device.sh towers-table-19       # issue 19's towers beside HF eager and compiled, the fixed tower tests
 #   bash scripts/device.sh norms-check-19        # issue 19: the review mends' kernel tests on CUDA (~60 s)
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
-#   bash scripts/device.sh vae4-19               # issue 19: GroupNorm stats in the residual add, A/B (.prev), the sweep
+#   bash scripts/device.sh vae4-19               # issue 19: GroupNorm stats in the residual add, A/B (.prev); warm starts
+#   bash scripts/device.sh vae5-19               # issue 19: the GroupNorm sweep; the VAE rows beside diffusers compiled
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
 #   bash scripts/device.sh vae-final-19          # issue 19: the VAE rows beside diffusers compiled; VAE warm starts
@@ -532,21 +533,31 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             for f in audio-ab audio-unfused; do echo "-- $f"
                 grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
         vae4-19)  # issue 19, stop 50 call 1: the residual add that takes the next GroupNorm's statistics. Its CUDA
-            # tests; bf16 1024^2 (batch 1 and the tiles' batch 4) and the tiled 4096^2 on .prev (`git archive bf09df3`,
-            # carried) and on this tree, profiled; then the GroupNorm launch-config sweep. Limits sum to 490 s
-            step vae4-tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
-                -k "moments or group_norm or vae_decoder or bias_and_residual or cuda"
-            vae_args=(--sizes 1024 --dtypes bfloat16 --largest-sides 4096 --largest-channels-last
-                            --peer-compile none --no-unfused --warmup 2 --iters 10)
+            # tests; bf16 1024^2 and the tiled 4096^2 on .prev (`git archive bf09df3`, carried) and on this tree,
+            # profiled; then the warm start: our VAE service and diffusers' compiled VAE, each from an empty cache
+            # and again. Limits sum to 550 s
+            step vae4-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+                -k "moments or vae_decoder or bias_and_residual"
+            vae_args=(--sizes 1024 --dtypes bfloat16 --largest-sides 4096 --largest-channels-last --peer-compile none
+                      --no-unfused --warmup 2 --iters 10)
             on_tree .prev vae4-prev 80 bench/vae.py "${vae_args[@]}"
             step vae4-new 110 python3 bench/vae.py "${vae_args[@]}" --profile
-            step vae4-b4 50 python3 bench/vae.py --sizes 1024 --dtypes bfloat16 --largest '' --peer-compile none \
-                --no-unfused --warmup 2 --iters 5 --batch 4
-            step gn-sweep 150 python3 bench/group_norm.py
-            for f in vae4-prev vae4-new vae4-b4; do echo "-- $f"; grep -h "^|" "$OUT/$f.log"; done
+            step startup-vae 100 python3 bench/startup.py --services vae --peer-modes ''
+            step startup-peer 200 python3 bench/startup.py --services '' --peer-modes default
+            for f in vae4-prev vae4-new; do echo "-- $f"; grep -h "^|" "$OUT/$f.log"; done
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae4-new.log
             grep -h -A12 "^top kernels, ours NHWC" "$OUT"/vae4-new.log | cut -c1-150
-            tail -30 "$OUT/gn-sweep.log" ;;
+            grep -h "^| [op]" "$OUT"/startup-{vae,peer}.log ;;
+        vae5-19)  # issue 19, stop 50 call 2 (the warm machine after vae4-19): the GroupNorm launch-config sweep, then
+            # the VAE rows of the table beside diffusers eager and compiled channels-last (a cold inductor cache),
+            # batch 4 (the tiles' batch). Limits sum to 435 s
+            step gn-sweep 150 python3 bench/group_norm.py
+            step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
+            step vae4-b4 50 python3 bench/vae.py --sizes 1024 --dtypes bfloat16 --largest '' --peer-compile none \
+                --no-unfused --warmup 2 --iters 5 --batch 4
+            tail -20 "$OUT/gn-sweep.log"
+            grep -h "^|\|^# diffusers" "$OUT"/vae-table.log "$OUT"/vae4-b4.log ;;
         vae-final-19)  # issue 19, stop 50 call 2 (after vae4-19, on the warm machine): the VAE rows of the table with
             # diffusers eager and compiled channels-last (a cold inductor cache), then the warm start: our VAE service
             # and diffusers' compiled VAE, each from an empty cache and again. Limits sum to 535 s
