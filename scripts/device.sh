@@ -39,7 +39,6 @@
 #   bash scripts/device.sh vae5-19               # issue 19: the GroupNorm sweep; the VAE rows beside diffusers compiled
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
-#   bash scripts/device.sh vae-final-19          # issue 19: the VAE rows beside diffusers compiled; VAE warm starts
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -558,15 +557,6 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 --no-unfused --warmup 2 --iters 5 --batch 4
             tail -20 "$OUT/gn-sweep.log"
             grep -h "^|\|^# diffusers" "$OUT"/vae-table.log "$OUT"/vae4-b4.log ;;
-        vae-final-19)  # issue 19, stop 50 call 2 (after vae4-19, on the warm machine): the VAE rows of the table with
-            # diffusers eager and compiled channels-last (a cold inductor cache), then the warm start: our VAE service
-            # and diffusers' compiled VAE, each from an empty cache and again. Limits sum to 535 s
-            step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
-                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
-            step startup-vae 100 python3 bench/startup.py --services vae --peer-modes ''
-            step startup-peer 200 python3 bench/startup.py --services '' --peer-modes default
-            grep -h "^|\|^# diffusers" "$OUT/vae-table.log"
-            grep -h "^| [op]" "$OUT"/startup-{vae,peer}.log ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
