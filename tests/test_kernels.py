@@ -419,6 +419,64 @@ def test_residual_add_with_moments_equals_the_add_then_the_norms_own_statistics(
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(2, 5, 6, 4, 7), (1, 3, 4, 1, 1), (1, 8, 320, 9, 3), (1, 4, 4, 40, 33)])
+def test_upsampled_conv_as_phases_equals_interpolate_then_conv(device, dtype, layout, shape):
+    """Nearest 2x upsample + 3x3 convolution (padding 1) as four 2x2 convolutions on the input, interleaved with the
+    bias by the stats pass: equal to F.interpolate then conv2d up to the summed taps' rounding and the convolutions'
+    sum order (against float64 no worse than that path, in half precision), and its moments bit for bit the norm's
+    own pass over the output (a 1x1 input, channels across two blocks, 1,600 pixels over several chunks)."""
+    from modalmesh.kernels import group_norm as gn
+
+    n, ci, co, h, w = shape
+    torch.manual_seed(10)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(n, ci, h, w, device=device).to(dtype).contiguous(memory_format=fmt)
+    weight = (torch.randn(co, ci, 3, 3, device=device) / (3 * ci ** 0.5)).to(dtype)
+    bias = torch.randn(co, device=device).to(dtype)
+    with ieee_fp32_convolutions() if device == "cuda" else contextlib.nullcontext():
+        got, moments = gn.upsampled_conv_with_moments(x, gn.phase_weights(weight), bias)
+        want = torch.nn.functional.conv2d(torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest"),
+                                          weight, bias, padding=1)
+    assert got.shape == want.shape and got.dtype == dtype
+    if (h, w) != (1, 1):
+        assert got.is_contiguous(memory_format=fmt)
+    exact = torch.nn.functional.conv2d(torch.nn.functional.interpolate(x.double(), scale_factor=2.0),
+                                       weight.double(), bias.double(), padding=1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5 * float(exact.abs().max()), rtol=0)
+    else:  # the phase kernels' taps are summed then rounded to the dtype: within two roundings of the output
+        ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, want))
+        ulp = (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10) * exact.abs().max().item()
+        assert ours <= theirs + 2 * ulp, (ours, theirs, ulp)
+    own = gn._partial_moments(got, None, gn.DEFAULT)
+    assert moments.covers(got) and moments.chunk_s == own.chunk_s
+    torch.testing.assert_close(moments.mean, own.mean, atol=0, rtol=0)
+    torch.testing.assert_close(moments.m2, own.m2, atol=0, rtol=0)
+
+
+def test_phase_weights_sum_the_taps_each_phase_reads():
+    """Nearest 2x upsampling repeats each input row twice, so output row 2i reads x[i - 1] through kernel row 0 and
+    x[i] through rows 1 and 2; row 2i + 1 reads x[i] through rows 0 and 1 and x[i + 1] through row 2 (columns
+    alike): a kernel of distinct powers of two shows which taps each 2x2 tap sums."""
+    from modalmesh.kernels import group_norm as gn
+
+    weight = (2.0 ** torch.arange(9.0)).view(1, 1, 3, 3)  # tap (r, c) = 2 ** (3r + c)
+    phases = gn.phase_weights(weight).view(2, 2, 2, 2)  # (a, b, window row, window col)
+
+    def taps(*pairs):
+        return sum(2.0 ** (3 * r + c) for r, c in pairs)
+
+    assert phases[0, 0].tolist() == [[taps((0, 0)), taps((0, 1), (0, 2))],
+                                     [taps((1, 0), (2, 0)), taps((1, 1), (1, 2), (2, 1), (2, 2))]]
+    assert phases[1, 1].tolist() == [[taps((0, 0), (0, 1), (1, 0), (1, 1)), taps((0, 2), (1, 2))],
+                                     [taps((2, 0), (2, 1)), taps((2, 2))]]
+    assert phases[0, 1].tolist() == [[taps((0, 0), (0, 1)), taps((0, 2))],
+                                     [taps((1, 0), (1, 1), (2, 0), (2, 1)), taps((1, 2), (2, 2))]]
+
+
 def test_group_norm_takes_moments_only_of_its_own_input():
     """Checked before any kernel runs: moments of another tensor, even one of x's shape, or beside a pre_bias
     (they are of x itself); and the residual add with moments takes only a pair it can read through h's strides."""
@@ -499,9 +557,11 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
     from services.vae.config import VAEConfig
     from services.vae.weights import build_decoder, load_decoder
 
-    calls, adds, passes = [], [], []
+    calls, adds, upconvs, passes = [], [], [], []
     monkeypatch.setattr(gn, "group_norm", lambda *a, _fn=gn.group_norm, **k: calls.append(k) or _fn(*a, **k))
     monkeypatch.setattr(gn, "add_with_moments", lambda *a, _fn=gn.add_with_moments: adds.append(1) or _fn(*a))
+    monkeypatch.setattr(gn, "upsampled_conv_with_moments",
+                        lambda *a, _fn=gn.upsampled_conv_with_moments: upconvs.append(1) or _fn(*a))
     monkeypatch.setattr(gn, "_partial_moments", lambda *a, _fn=gn._partial_moments, **k: passes.append(1) or _fn(*a, **k))
     vae_dir = tiny.ensure("vae", tmp_path)
     cfg = VAEConfig.from_dir(vae_dir)
@@ -519,12 +579,14 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
         got_cl = models[1](z.contiguous(memory_format=torch.channels_last))
     # the resnets' GroupNorm+SiLU and the attention's GroupNorm
     assert {k["silu"] for k in calls} == {True, False}
-    # every resnet output not written upsampled came with its moments, and the norm after it took them
+    # Per decode (two: NCHW, channels-last): every resnet's residual add takes moments, and so does each upsampler
+    # (its 2x2 phase convolutions interleaved); the norm after a resnet or an upsampler starts from them, except
+    # where a resnet's output goes to an upsampler (a convolution), whose moments go unused
     ups = sum(b.upsamplers is not None for b in models[1].decoder.up_blocks)
     resnets = sum(len(b.resnets) for b in models[1].decoder.up_blocks) + 2
-    assert len(adds) == 2 * (resnets - ups) > 0  # two decodes (NCHW, channels-last)
-    assert sum(k["moments"] is not None for k in calls) == len(adds)
-    assert len(passes) == len(calls)  # a stats pass per norm: its own, or the add's that it took
+    assert len(adds) == 2 * resnets and len(upconvs) == 2 * ups > 0
+    assert sum(k["moments"] is not None for k in calls) == 2 * resnets
+    assert len(passes) == len(calls) + 2 * ups  # one stats pass per norm, its own or its input's writer's
     torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
     torch.testing.assert_close(got_cl, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 

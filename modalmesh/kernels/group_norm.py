@@ -16,7 +16,8 @@ Here a group's statistics are split over many programs:
      (what `F.silu(F.group_norm(x))` rounds).
 A residual add whose sum a GroupNorm reads next (each VAE resnet block's output) can run as `partial_moments`
 itself (`add_with_moments`): it stores the sum and keeps its moments, and `group_norm(..., moments=)` starts at
-step 2, one read of the tensor fewer.
+step 2, one read of the tensor fewer. So can a nearest-2x upsample + 3x3 convolution (`upsampled_conv_with_moments`),
+run as four 2x2 convolutions whose outputs the statistics pass interleaves.
 Pixels are addressed through the tensor's strides, so NCHW and channels-last take the same kernels and the
 output keeps the input's memory format.
 """
@@ -52,11 +53,15 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partial_moments(X, PreBias, R, Out, Mean, M2, S, C, stride_n, stride_c, stride_s, chunk_s, iters,
-                        HAS_PRE_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
-        # RESIDUAL: x + pre_bias + R is rounded to the activation dtype and stored to Out (R and Out have X's
-        # strides), and the moments are those of what was stored: the pass a residual add makes anyway
+    def partial_moments(X, PreBias, R, Out, Mean, M2, S, C, stride_n, stride_c, stride_s, o_n, o_c, o_s, out_w,
+                        src_w, chunk_s, iters, HAS_PRE_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                        PHASES: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        # RESIDUAL: x + pre_bias + R is rounded to the activation dtype and stored to Out (R of Out's strides), and
+        # the moments are those of what was stored: the pass a residual add makes anyway.
+        # PHASES: X is (N, 4C, h + 1, w + 1), the four phases of a nearest-2x-upsample + 3x3 convolution computed
+        # as 2x2 convolutions (`phase_weights`); output pixel (y, x) of the (2h, 2w) image (rows of `out_w`) is
+        # phase 2 * (y % 2) + x % 2 at pixel ((y + 1) // 2, (x + 1) // 2) of X (rows of `src_w`). x + pre_bias is
+        # rounded and stored to Out, and the moments are those of what was stored.
         chunk, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
@@ -68,18 +73,28 @@ def _kernels():
         count = tl.zeros([BLOCK_S, 1], dtype=tl.float32)
         mean = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
-        base = n.to(tl.int64) * stride_n
+        chans64 = chans.to(tl.int64)[None, :]
         for i in range(iters):
             rows = chunk * chunk_s + i * BLOCK_S + tl.arange(0, BLOCK_S)
             valid = (rows < S)[:, None]
-            offs = base + rows.to(tl.int64)[:, None] * stride_s + chans.to(tl.int64)[None, :] * stride_c
+            rows64 = rows.to(tl.int64)
+            if PHASES:
+                yy = rows64 // out_w
+                xx = rows64 - yy * out_w
+                src = ((yy + 1) // 2) * src_w + (xx + 1) // 2
+                phase = (yy % 2) * 2 + xx % 2
+                offs = n.to(tl.int64) * stride_n + src[:, None] * stride_s + (phase[:, None] * C + chans64) * stride_c
+            else:
+                offs = n.to(tl.int64) * stride_n + rows64[:, None] * stride_s + chans64 * stride_c
             x = tl.load(X + offs, mask=valid & cmask[None, :], other=0.0).to(tl.float32)
             if HAS_PRE_BIAS:
                 x += pre_bias
-            if RESIDUAL:  # (x + b) + r in float32, one rounding: what the residual kernel computes
-                x += tl.load(R + offs, mask=valid & cmask[None, :], other=0.0).to(tl.float32)
+            if RESIDUAL or PHASES:
+                out_offs = n.to(tl.int64) * o_n + rows64[:, None] * o_s + chans64 * o_c
+                if RESIDUAL:  # (x + b) + r in float32, one rounding: what the residual kernel computes
+                    x += tl.load(R + out_offs, mask=valid & cmask[None, :], other=0.0).to(tl.float32)
                 y = x.to(Out.dtype.element_ty)
-                tl.store(Out + offs, y, mask=valid & cmask[None, :])
+                tl.store(Out + out_offs, y, mask=valid & cmask[None, :])
                 x = y.to(tl.float32)
             count += valid.to(tl.float32)
             delta = tl.where(valid, x - mean, 0.0)  # a lane past the end of the pixels adds nothing
@@ -219,24 +234,27 @@ class Moments:
 
 
 def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: LaunchConfig,
-                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Moments:
-    """The moments of x (+ pre_bias); with `residual`, of x + pre_bias + residual, which is also stored to `out`
-    (both of x's strides)."""
+                     residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     phases: bool = False) -> Moments:
+    """The moments of x (+ pre_bias), or, where `out` is given, of what is stored there: x + pre_bias + `residual`
+    (of out's strides) or, with `phases`, x's four phases interleaved (+ pre_bias); see `partial_moments`."""
     partial_moments = _kernels()[0]
-    n, c = x.shape[0], x.shape[1]
-    s = x[0, 0].numel()
+    target = x if out is None else out  # the tensor whose moments these are: its pixels are the ones walked
+    n, c = target.shape[0], target.shape[1]
+    s = target[0, 0].numel()
+    o_n, o_c, o_s = _pixel_strides(target)
     stride_n, stride_c, stride_s = _pixel_strides(x)
-    block_s, block_c, chunks, iters = plan(n, c, s, stride_c, config)
+    block_s, block_c, chunks, iters = plan(n, c, s, o_c, config)
     f32 = dict(dtype=torch.float32, device=x.device)
     moments = Moments(torch.empty((n, chunks, c), **f32), torch.empty((n, chunks, c), **f32), iters * block_s,
-                      Moments.identity(out if residual is not None else x))
+                      Moments.identity(target))
     has_pre_bias, has_residual = pre_bias is not None, residual is not None
     partial_moments[(chunks, n, -(-c // block_c))](
-        x, pre_bias if has_pre_bias else x, residual if has_residual else x, out if has_residual else x,
-        moments.mean, moments.m2, s, c, stride_n, stride_c, stride_s, moments.chunk_s, iters,
-        HAS_PRE_BIAS=has_pre_bias, RESIDUAL=has_residual, BLOCK_S=block_s, BLOCK_C=block_c,
-        num_warps=8 if block_s * block_c >= 2048 else 4)  # pointers a flag turns off are never read
-    return moments
+        x, pre_bias if has_pre_bias else x, residual if has_residual else x, target,
+        moments.mean, moments.m2, s, c, stride_n, stride_c, stride_s, o_n, o_c, o_s, target.shape[-1],
+        x.shape[-1], moments.chunk_s, iters, HAS_PRE_BIAS=has_pre_bias, RESIDUAL=has_residual, PHASES=phases,
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8 if block_s * block_c >= 2048 else 4)
+    return moments  # pointers a flag turns off are never read
 
 
 def add_with_moments(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
@@ -250,8 +268,39 @@ def add_with_moments(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
     if (residual.shape != h.shape or residual.stride() != h.stride() or residual.dtype != h.dtype
             or _pixel_strides(h) is None or bias.numel() != h.shape[1]):
         raise ValueError("add_with_moments: h and residual of one shape, dtype and layout, a bias per channel")
-    out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=h.device)  # written through h's strides
+    out = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=h.device)  # h's strides, as residual's
     return out, _partial_moments(h, bias, config or DEFAULT, residual, out)
+
+
+# Nearest 2x upsampling then a 3x3 convolution (padding 1), per output phase: for output row 2i + a, the two rows
+# of a 2x2 window over x (rows k - 1 and k of x, k = i + a) take these rows of the 3x3 kernel, summed (phase 0:
+# x[i - 1] <- row 0, x[i] <- rows 1, 2; phase 1: x[i] <- rows 0, 1, x[i + 1] <- row 2). Columns likewise.
+PHASE_TAPS = (((0,), (1, 2)), ((0, 1), (2,)))
+
+
+def phase_weights(weight: torch.Tensor) -> torch.Tensor:
+    """(Co, Ci, 3, 3) -> (4 Co, Ci, 2, 2): the four phases' 2x2 kernels, phase 2a + b in block 2a + b; the taps
+    summed in float32 and rounded once to the weight's dtype."""
+    w = weight.float()
+    rows = [torch.stack([w[:, :, list(taps)].sum(2) for taps in PHASE_TAPS[a]], 2) for a in (0, 1)]
+    return torch.cat([torch.stack([rows[a][..., list(taps)].sum(-1) for taps in PHASE_TAPS[b]], -1)
+                      for a in (0, 1) for b in (0, 1)]).to(weight.dtype)
+
+
+def upsampled_conv_with_moments(x: torch.Tensor, phase_weight: torch.Tensor, bias: torch.Tensor,
+                                config: LaunchConfig | None = None) -> tuple[torch.Tensor, Moments]:
+    """(conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), weight, bias, padding=1) in x's memory format;
+    its moments), with `phase_weight` = phase_weights(weight).
+
+    The convolution runs as four 2x2 ones on x itself, as one of 4 Co output channels over (h + 1, w + 1): 16 of
+    the 36 multiply-adds per output of the 3x3 on the upsampled input, which is never made. The phases are
+    interleaved into the output, with the bias added, by the statistics pass of the GroupNorm that reads it next."""
+    phases = torch.nn.functional.conv2d(x, phase_weight, None, padding=1)
+    n, c4, hp, wp = phases.shape
+    fmt = torch.contiguous_format if x.is_contiguous() else torch.channels_last
+    out = torch.empty((n, c4 // 4, 2 * (hp - 1), 2 * (wp - 1)), dtype=phases.dtype, device=phases.device,
+                      memory_format=fmt)
+    return out, _partial_moments(phases, bias, config or DEFAULT, out=out, phases=True)
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,

@@ -79,26 +79,20 @@ class ResnetBlock(nn.Module):
         return x if self.conv_shortcut is None else self.conv_shortcut(x)
 
     def forward(self, x: torch.Tensor, input_bias: torch.Tensor | None = None,
-                moments: group_norm_kernels.Moments | None = None, *,
-                upsample: bool = False) -> tuple[torch.Tensor, group_norm_kernels.Moments | None]:
+                moments: group_norm_kernels.Moments | None = None
+                ) -> tuple[torch.Tensor, group_norm_kernels.Moments | None]:
         """(the block's output for input x + `input_bias` per channel, its GroupNorm moments where the residual
-        kernel took them, else None). `moments` are x's own (from the block before). With `upsample` the output
-        is nearest 2x upsampled (the up block's upsampler, written by the residual add), and has no moments:
-        a convolution reads it next."""
+        kernel took them, else None). `moments` are x's own (from the block before)."""
         if not (self.fused and kernels.usable(x)):
             if input_bias is not None:
                 x = x + input_bias.to(x.dtype).view(-1, 1, 1)
-            out = self.shortcut(x) + self.conv2(self.norm2(self.conv1(self.norm1(x))))
-            return (upsample_nearest_2x(out) if upsample else out), None
+            return self.shortcut(x) + self.conv2(self.norm2(self.conv1(self.norm1(x)))), None
         h = F.conv2d(self.norm1(x, pre_bias=input_bias, moments=moments), self.conv1.weight, None, padding=1)
         h = F.conv2d(self.norm2(h, pre_bias=self.conv1.bias), self.conv2.weight, None, padding=1)
         residual, bias = self._residual(x, input_bias)
         if residual_kernels.fusable(h, bias, residual):
-            if upsample:
-                return residual_kernels.add_bias_residual(h, bias, residual, upsample=True), None
             return group_norm_kernels.add_with_moments(h, bias, residual)
-        out = residual_kernels.reference(h, bias, residual)
-        return (upsample_nearest_2x(out) if upsample else out), None
+        return residual_kernels.reference(h, bias, residual), None
 
     def _residual(self, x: torch.Tensor, input_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The shortcut of x without any bias, and the biases the output still lacks, summed in float32: conv2's,
@@ -170,9 +164,20 @@ class Upsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self._phases: tuple[tuple, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(upsample_nearest_2x(x))
+
+    def forward_with_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, group_norm_kernels.Moments]:
+        """forward(x) on the fused path, with its output's GroupNorm moments: four 2x2 convolutions on x instead of
+        a 3x3 on the upsampled x (16 of 36 multiply-adds; the three upsamplers' convolutions were 2.8 of the SDXL
+        decoder's 9.9 TFLOP at 1024²), interleaved with the bias by the next norm's statistics pass."""
+        weight = self.conv.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)  # reloaded or cast: made again
+        if self._phases is None or self._phases[0] != key:
+            self._phases = key, group_norm_kernels.phase_weights(weight.detach())
+        return group_norm_kernels.upsampled_conv_with_moments(x, self._phases[1], self.conv.bias)
 
 
 class UpDecoderBlock(nn.Module):
@@ -189,20 +194,16 @@ class UpDecoderBlock(nn.Module):
             x = self.upsamplers[0](x)
         return x
 
-    def forward_folded(self, x: torch.Tensor, input_bias: torch.Tensor | None,
-                       moments: group_norm_kernels.Moments | None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, group_norm_kernels.Moments | None]:
-        """forward(x + `input_bias`) for the fused path, x's `moments` taken by the block before, as (output, the
-        bias it still lacks, its moments or None): the last resnet writes its output upsampled, and the
-        upsampler's convolution leaves its bias to the next layer."""
-        last = len(self.resnets) - 1
-        for i, resnet in enumerate(self.resnets):
-            x, moments = resnet(x, input_bias if i == 0 else None, moments,
-                                upsample=i == last and self.upsamplers is not None)
+    def forward_fused(self, x: torch.Tensor, moments: group_norm_kernels.Moments | None
+                      ) -> tuple[torch.Tensor, group_norm_kernels.Moments | None]:
+        """forward(x) on the fused path, x's `moments` taken by the block before, as (output, its moments or
+        None). The upsampler runs as 2x2 convolutions on the last resnet's output
+        (`Upsample.forward_with_moments`)."""
+        for resnet in self.resnets:
+            x, moments = resnet(x, None, moments)
         if self.upsamplers is None:
-            return x, None, moments
-        conv = self.upsamplers[0].conv
-        return F.conv2d(x, conv.weight, None, padding=1), conv.bias, None
+            return x, moments
+        return self.upsamplers[0].forward_with_moments(x)
 
 
 class Decoder(nn.Module):
@@ -229,15 +230,15 @@ class Decoder(nn.Module):
         return self.conv_out(self.conv_norm_out(x))
 
     def _forward_folded(self, z: torch.Tensor) -> torch.Tensor:
-        """forward's math with each convolution's bias carried to the next pass that reads its output: conv_in's
-        and each upsampler's ride the next resnet block's first GroupNorm and residual add (a bias add of its
-        own is a pass over the tensor: 8 of them were 2.0 ms of the decoder at 1024² bf16 on an H100)."""
+        """forward's math with each convolution's bias carried to the next pass that reads its output (a bias add
+        of its own is a pass over the tensor: 8 of them were 2.0 ms of the decoder at 1024² bf16 on an H100):
+        conv_in's rides the mid block's first GroupNorm and residual add, each upsampler's the pass that
+        interleaves its phases; and each GroupNorm's statistics come from the pass that wrote its input."""
         x = F.conv2d(z, self.conv_in.weight, None, padding=1)
         x, moments = self.mid_block(x, input_bias=self.conv_in.bias)
-        bias = None
         for block in self.up_blocks:
-            x, bias, moments = block.forward_folded(x, bias, moments)
-        return self.conv_out(self.conv_norm_out(x, pre_bias=bias, moments=moments))
+            x, moments = block.forward_fused(x, moments)
+        return self.conv_out(self.conv_norm_out(x, moments=moments))
 
 
 class AutoencoderKLDecoder(nn.Module, CheckpointModel):
