@@ -531,17 +531,19 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 grep -h -E "^(# vision|attention|case|siglip|qwen)" "$OUT/$f.log"; done
             for f in audio-ab audio-unfused; do echo "-- $f"
                 grep -h -E "^(attention|parity|batch| +[0-9]+ )" "$OUT/$f.log"; done ;;
-        vae4-19)  # issue 19, stop 50 call 1: the residual add that takes the next GroupNorm's statistics. Its CUDA
-            # tests; bf16 1024^2 and the tiled 4096^2 on .prev (`git archive bf09df3`, carried) and on this tree,
-            # profiled; then our VAE service's start from an empty cache and again. Limits sum to 350 s
-            step vae4-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-                -k "moments or vae_decoder or bias_and_residual"
+        vae4-19)  # issue 19, stop 50 call 1: the residual add that takes the next GroupNorm's statistics, and the
+            # upsample + conv as 2x2 phase convolutions. Their CUDA tests; bf16 1024^2 and the tiled 4096^2 on .prev
+            # (`git archive bf09df3`), .mid (`git archive c43cec5`: the moments alone; both carried) and this tree,
+            # profiled; then our VAE service's start from an empty cache and again. Limits sum to 450 s
+            step vae4-tests 80 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "moments or vae_decoder or bias_and_residual or upsampled_conv or phase or vae"
             vae_args=(--sizes 1024 --dtypes bfloat16 --largest-sides 4096 --largest-channels-last --peer-compile none
                       --no-unfused --warmup 2 --iters 10)
             on_tree .prev vae4-prev 80 bench/vae.py "${vae_args[@]}"
+            on_tree .mid vae4-mid 80 bench/vae.py "${vae_args[@]}"
             step vae4-new 110 python3 bench/vae.py "${vae_args[@]}" --profile
             step startup-vae 100 python3 bench/startup.py --services vae --peer-modes ''
-            for f in vae4-prev vae4-new; do echo "-- $f"; grep -h "^|" "$OUT/$f.log"; done
+            for f in vae4-prev vae4-mid vae4-new; do echo "-- $f"; grep -h "^|" "$OUT/$f.log"; done
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae4-new.log
             grep -h -A12 "^top kernels, ours NHWC" "$OUT"/vae4-new.log | cut -c1-150
             grep -h "^| [op]" "$OUT"/startup-vae.log ;;
