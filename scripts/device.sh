@@ -37,6 +37,7 @@
 #   bash scripts/device.sh profile-towers-19     # issue 19: where the towers' time goes after towers-19 (not run yet)
 #   bash scripts/device.sh vae4-19               # issue 19: GroupNorm stats in the residual add, A/B (.prev); warm starts
 #   bash scripts/device.sh vae5-19               # issue 19: the GroupNorm sweep; the VAE rows beside diffusers compiled
+#   bash scripts/device.sh vae6-19               # issue 19: the CUDA tests again; the VAE rows beside diffusers compiled
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
@@ -557,6 +558,14 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 --no-unfused --warmup 2 --iters 5 --batch 4
             tail -20 "$OUT/gn-sweep.log"
             grep -h "^|\|^# diffusers" "$OUT"/vae-table.log "$OUT"/vae4-b4.log ;;
+        vae6-19)  # issue 19, stop 50 call 3: the CUDA tests again after the inference-mode fix (phase kernels'
+            # cache key), then the VAE rows of the table beside diffusers eager and compiled channels-last (a cold
+            # inductor cache) and the tiled 4096^2. Limits sum to 355 s
+            step vae6-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "moments or vae_decoder or bias_and_residual or upsampled_conv or phase or vae or group_norm"
+            step vae-table 235 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5
+            grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10

@@ -592,6 +592,42 @@ def test_vae_decoder_with_fused_kernels_equals_the_unfused_decoder(device, tmp_p
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_upsampler_phase_kernels_follow_the_loaded_weights(device, tmp_path):
+    """The upsamplers' 2x2 phase kernels are made from the loaded weights and kept: for weights loaded under
+    inference_mode, which carry no version counter (reading it raised on CUDA, in the FP32 parity test), and made
+    again when the weights change in place afterwards (same storage, a new version)."""
+    from modalmesh.testing import tiny
+    from services.vae.config import VAEConfig
+    from services.vae.weights import build_decoder, load_decoder
+
+    vae_dir = tiny.ensure("vae", tmp_path)
+    cfg = VAEConfig.from_dir(vae_dir)
+
+    def unfused_of(model):
+        ref = build_decoder(cfg, dtype=torch.float32, fused_kernels=False)
+        load_decoder(ref, vae_dir, device=torch.device(device), dtype=torch.float32)
+        ref.load_state_dict(model.state_dict())  # the model's weights as they are now
+        return ref
+
+    z = torch.randn(1, cfg.latent_channels, 6, 5, device=device)
+    ieee = ieee_fp32_convolutions if device == "cuda" else contextlib.nullcontext
+    fused = build_decoder(cfg, dtype=torch.float32, fused_kernels=True)
+    with torch.inference_mode():
+        load_decoder(fused, vae_dir, device=torch.device(device), dtype=torch.float32)
+        with ieee():
+            want = unfused_of(fused)(z)
+            torch.testing.assert_close(fused(z), want, atol=1e-4 * float(want.abs().max()), rtol=0)
+    fused = build_decoder(cfg, dtype=torch.float32, fused_kernels=True)
+    load_decoder(fused, vae_dir, device=torch.device(device), dtype=torch.float32)
+    with torch.no_grad(), ieee():
+        fused(z)  # phase kernels made from the loaded weights
+        for p in fused.parameters():
+            p.mul_(0.5)
+        want = unfused_of(fused)(z)
+        torch.testing.assert_close(fused(z), want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,dim", [(16, 80), (3, 32)])
 def test_vision_rotary_kernel_equals_apply_rotary(device, dtype, heads, dim):

@@ -174,7 +174,8 @@ class Upsample(nn.Module):
         a 3x3 on the upsampled x (16 of 36 multiply-adds; the three upsamplers' convolutions were 2.8 of the SDXL
         decoder's 9.9 TFLOP at 1024²), interleaved with the bias by the next norm's statistics pass."""
         weight = self.conv.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)  # reloaded or cast: made again
+        # reloaded or cast: made again (weights loaded under inference_mode have no version counter)
+        key = (weight.data_ptr(), None if weight.is_inference() else weight._version, weight.dtype, weight.device)
         if self._phases is None or self._phases[0] != key:
             self._phases = key, group_norm_kernels.phase_weights(weight.detach())
         return group_norm_kernels.upsampled_conv_with_moments(x, self._phases[1], self.conv.bias)
