@@ -559,12 +559,12 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tail -20 "$OUT/gn-sweep.log"
             grep -h "^|\|^# diffusers" "$OUT"/vae-table.log "$OUT"/vae4-b4.log ;;
         vae6-19)  # issue 19, stop 50 call 3: the CUDA tests again after the inference-mode fix (phase kernels'
-            # cache key), then the VAE rows of the table beside diffusers eager and compiled channels-last (a cold
-            # inductor cache) and the tiled 4096^2. Limits sum to 270 s
+            # cache key), then bf16 1024^2 beside diffusers eager and compiled channels-last (a cold inductor
+            # cache). Limits sum to 200 s
             step vae6-tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
                 -k "moments or vae_decoder or bias_and_residual or upsampled_conv or phase or vae or group_norm"
-            step vae-table 180 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
-                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5 --no-unfused
+            step vae-table 110 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --dtypes bfloat16 --largest '' --peer-channels-last --warmup 2 --iters 5 --no-unfused
             grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
