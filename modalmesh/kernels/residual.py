@@ -1,5 +1,4 @@
-"""out = residual + (h + bias per channel) over (N, C, H, W), in NCHW or channels-last, in one pass;
-optionally written 2x nearest-upsampled, (N, C, 2H, 2W).
+"""out = residual + (h + bias per channel) over (N, C, H, W), in NCHW or channels-last, in one pass.
 
 A VAE resnet block ends with `x + conv2(h)`. PyTorch's convolution adds its bias in a kernel of its own
 (cuDNN's output, then `add_`), so the block's end was two passes over the largest tensors of the decoder:
@@ -7,14 +6,11 @@ the bias adds were 6.3 of its 42 ms at 1024² bf16 on an H100 (2026-12-05). Here
 without its bias and this kernel adds both. It rounds once to the activation dtype, where PyTorch's path
 rounds after the bias and again after the sum: within one rounding of it, and closer to float32.
 
-A resnet block whose output a GroupNorm reads next runs this add as that norm's statistics pass instead
-(`group_norm.add_with_moments`, the same sum bit for bit); this kernel's plain form is the reference for it.
+The VAE's resnet blocks run this add as the next GroupNorm's statistics pass (`group_norm.add_with_moments`,
+the same sum bit for bit): this kernel is the reference that is tested against, and `fusable` says which pairs
+both take.
 
-A VAE up block's last resnet feeds its nearest 2x upsampler, and nothing else reads the block's output at its
-own size. With ``upsample=True`` each sum goes straight to its 4 places in the upsampled output, so neither
-the output at its own size nor a copy kernel's pass over it exists (the copies were 1.3 ms of the decoder at
-1024² bf16 on an H100, 2026-12-05). The bias may be float32 (biases folded in from earlier layers, summed
-without rounding).
+The bias may be float32 (biases folded in from earlier layers, summed without rounding).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ import functools
 
 import torch
 
-from modalmesh.kernels import block
 from modalmesh.kernels.group_norm import FLOAT_DTYPES
 
 BLOCK = 2048
@@ -45,33 +40,7 @@ def _kernel():
         y = h.to(tl.float32) + b.to(tl.float32) + r.to(tl.float32)
         tl.store(Out + offs, y.to(h.dtype), mask=mask)
 
-    @triton.jit
-    def add_bias_residual_upsampled(H, Bias, R, Out, C, rows_per_channel, row_len, pixel,
-                                    CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
-        # The input as rows of `row_len` elements, one program per block of a row: channels-last has N * H rows
-        # of W pixels of C channels (pixel = C), NCHW N * C * H rows of W (pixel = 1). Element j of input row r
-        # (column j // pixel) goes to output rows 2r and 2r + 1 (each 2 * row_len long), at 2j - j % pixel and
-        # that + pixel: all from program ids, with no 64-bit division per element
-        row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        j = blk * BLOCK + tl.arange(0, BLOCK)
-        mask = j < row_len
-        e = j % pixel
-        if CHANNELS_LAST:
-            chans = e
-        else:
-            chans = tl.zeros([BLOCK], dtype=tl.int32) + ((row // rows_per_channel) % C).to(tl.int32)
-        src = row * row_len + j
-        h = tl.load(H + src, mask=mask, other=0.0)
-        r = tl.load(R + src, mask=mask, other=0.0)
-        b = tl.load(Bias + chans, mask=mask, other=0.0)
-        y = (h.to(tl.float32) + b.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-        dst = Out + row * (4 * row_len) + (2 * j - e)
-        tl.store(dst, y, mask=mask)
-        tl.store(dst + pixel, y, mask=mask)
-        tl.store(dst + 2 * row_len, y, mask=mask)
-        tl.store(dst + 2 * row_len + pixel, y, mask=mask)
-
-    return add_bias_residual, add_bias_residual_upsampled
+    return add_bias_residual
 
 
 def _channel_stride(x: torch.Tensor) -> int | None:
@@ -92,26 +61,12 @@ def fusable(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> bool
             and bias.numel() == h.shape[1])
 
 
-def add_bias_residual(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *,
-                      upsample: bool = False) -> torch.Tensor:
-    """residual + h + bias, in h's dtype and memory format; with `upsample`, nearest 2x upsampled."""
-    plain, upsampled = _kernel()
-    if not upsample:
-        out = torch.empty_like(h)
-        numel = h.numel()
-        plain[(-(-numel // BLOCK),)](h, bias, residual, out, numel, h.shape[1], _channel_stride(h), BLOCK=BLOCK,
+def add_bias_residual(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + h + bias, in h's dtype and memory format."""
+    out = torch.empty_like(h)
+    numel = h.numel()
+    _kernel()[(-(-numel // BLOCK),)](h, bias, residual, out, numel, h.shape[1], _channel_stride(h), BLOCK=BLOCK,
                                      num_warps=8)
-        return out
-    n, c, height, width = h.shape
-    channels_last = not h.is_contiguous()  # fusable: then it is channels-last
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty((n, c, 2 * height, 2 * width), dtype=h.dtype, device=h.device, memory_format=fmt)
-    pixel = c if channels_last else 1
-    rows, row_len = h.numel() // (width * pixel), width * pixel
-    block_len = min(block(row_len), BLOCK)
-    upsampled[(rows, -(-row_len // block_len))](h, bias, residual, out, c, height, row_len, pixel,
-                                                CHANNELS_LAST=channels_last, BLOCK=block_len,
-                                                num_warps=8 if block_len >= 1024 else 4)
     return out
 
 
