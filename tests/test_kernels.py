@@ -402,13 +402,16 @@ def test_residual_add_with_moments_equals_the_add_then_the_norms_own_statistics(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", [(2, 5, 6, 4, 7), (1, 3, 4, 1, 1), (1, 8, 320, 9, 3), (1, 4, 4, 40, 33)])
-def test_upsampled_conv_as_phases_equals_interpolate_then_conv(device, dtype, layout, shape):
+@pytest.mark.parametrize("programs", [1024, 1])
+def test_upsampled_conv_as_phases_equals_interpolate_then_conv(device, dtype, layout, shape, programs, monkeypatch):
     """Nearest 2x upsample + 3x3 convolution (padding 1) as four 2x2 convolutions on the input, interleaved with the
     bias by the stats pass: equal to F.interpolate then conv2d up to the summed taps' rounding and the convolutions'
     sum order (against float64 no worse than that path, in half precision), and its moments bit for bit the norm's
-    own pass over the output (a 1x1 input, channels across two blocks, 1,600 pixels over several chunks)."""
+    own pass over the output (a 1x1 input, channels across two blocks, 5,280 output pixels over several chunks;
+    one program per channel block: every tile of the output in one chunk)."""
     from modalmesh.kernels import group_norm as gn
 
+    monkeypatch.setattr(gn, "DEFAULT", gn.LaunchConfig(programs=programs))
     n, ci, co, h, w = shape
     torch.manual_seed(10)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -454,6 +457,10 @@ def test_phase_weights_sum_the_taps_each_phase_reads():
                                      [taps((2, 0), (2, 1)), taps((2, 2))]]
     assert phases[0, 1].tolist() == [[taps((0, 0), (0, 1)), taps((0, 2))],
                                      [taps((1, 0), (1, 1), (2, 0), (2, 1)), taps((1, 2), (2, 2))]]
+    assert phases[1, 0].tolist() == [[taps((0, 0), (1, 0)), taps((0, 1), (0, 2), (1, 1), (1, 2))],
+                                     [taps((2, 0)), taps((2, 1), (2, 2))]]
+    with pytest.raises(ValueError, match="phase weights of"):  # the 3x3 kernel itself, not its phases
+        gn.upsampled_conv_with_moments(torch.randn(1, 1, 2, 2), weight, torch.zeros(1))
 
 
 def test_group_norm_takes_moments_only_of_its_own_input():
@@ -594,6 +601,10 @@ def test_upsampler_phase_kernels_follow_the_loaded_weights(device, tmp_path):
     with torch.inference_mode():
         load_decoder(fused, vae_dir, device=torch.device(device), dtype=torch.float32)
         with ieee():
+            want = unfused_of(fused)(z)
+            torch.testing.assert_close(fused(z), want, atol=1e-4 * float(want.abs().max()), rtol=0)
+            for p in fused.parameters():  # in place, still under inference_mode: no version to see it by
+                p.mul_(0.5)
             want = unfused_of(fused)(z)
             torch.testing.assert_close(fused(z), want, atol=1e-4 * float(want.abs().max()), rtol=0)
     fused = build_decoder(cfg, dtype=torch.float32, fused_kernels=True)

@@ -78,11 +78,11 @@ def _kernels():
             rows = chunk * chunk_s + i * BLOCK_S + tl.arange(0, BLOCK_S)
             valid = (rows < S)[:, None]
             rows64 = rows.to(tl.int64)
-            if PHASES:
-                yy = rows64 // out_w
-                xx = rows64 - yy * out_w
-                src = ((yy + 1) // 2) * src_w + (xx + 1) // 2
-                phase = (yy % 2) * 2 + xx % 2
+            if PHASES:  # per pixel, in int32 (rows < S < 2^31); only the offsets need 64 bits
+                yy = rows // out_w
+                xx = rows - yy * out_w
+                src = (((yy + 1) // 2) * src_w + (xx + 1) // 2).to(tl.int64)
+                phase = ((yy % 2) * 2 + xx % 2).to(tl.int64)
                 offs = n.to(tl.int64) * stride_n + src[:, None] * stride_s + (phase[:, None] * C + chans64) * stride_c
             else:
                 offs = n.to(tl.int64) * stride_n + rows64[:, None] * stride_s + chans64 * stride_c
@@ -295,6 +295,9 @@ def upsampled_conv_with_moments(x: torch.Tensor, phase_weight: torch.Tensor, bia
     The convolution runs as four 2x2 ones on x itself, as one of 4 Co output channels over (h + 1, w + 1): 16 of
     the 36 multiply-adds per output of the 3x3 on the upsampled input, which is never made. The phases are
     interleaved into the output, with the bias added, by the statistics pass of the GroupNorm that reads it next."""
+    if phase_weight.shape != (4 * bias.numel(), x.shape[1], 2, 2):
+        raise ValueError(f"upsampled_conv_with_moments: phase weights of {tuple(phase_weight.shape)}; "
+                         f"phase_weights() of a ({bias.numel()}, {x.shape[1]}, 3, 3) kernel is wanted")
     phases = torch.nn.functional.conv2d(x, phase_weight, None, padding=1)
     n, c4, hp, wp = phases.shape
     fmt = torch.contiguous_format if x.is_contiguous() else torch.channels_last

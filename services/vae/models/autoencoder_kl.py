@@ -164,7 +164,7 @@ class Upsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-        self._phases: tuple[tuple, torch.Tensor] | None = None
+        self._phases: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight alias, version, phases)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(upsample_nearest_2x(x))
@@ -173,12 +173,22 @@ class Upsample(nn.Module):
         """forward(x) on the fused path, with its output's GroupNorm moments: four 2x2 convolutions on x instead of
         a 3x3 on the upsampled x (16 of 36 multiply-adds; the three upsamplers' convolutions were 2.8 of the SDXL
         decoder's 9.9 TFLOP at 1024²), interleaved with the bias by the next norm's statistics pass."""
-        weight = self.conv.weight
-        # reloaded or cast: made again (weights loaded under inference_mode have no version counter)
-        key = (weight.data_ptr(), None if weight.is_inference() else weight._version, weight.dtype, weight.device)
-        if self._phases is None or self._phases[0] != key:
-            self._phases = key, group_norm_kernels.phase_weights(weight.detach())
-        return group_norm_kernels.upsampled_conv_with_moments(x, self._phases[1], self.conv.bias)
+        return group_norm_kernels.upsampled_conv_with_moments(x, self.phase_weight(), self.conv.bias)
+
+    def phase_weight(self) -> torch.Tensor:
+        """The conv's weight as `phase_weights`, kept while the weight is the same storage, dtype and device at
+        the same version: loaded again in place, cast or moved, they are made again (the kept alias pins the old
+        storage, so a new weight at a reused address is not mistaken for it). Weights loaded under inference_mode
+        carry no version counter, so theirs are made on every call."""
+        weight = self.conv.weight.detach()  # an alias: shares the storage and the version counter
+        if weight.is_inference():
+            return group_norm_kernels.phase_weights(weight)
+        kept = self._phases
+        if (kept is None or kept[0].data_ptr() != weight.data_ptr() or kept[0].dtype != weight.dtype
+                or kept[0].device != weight.device or kept[1] != weight._version
+                or (kept[2].is_inference() and not torch.is_inference_mode_enabled())):
+            kept = self._phases = weight, weight._version, group_norm_kernels.phase_weights(weight)
+        return kept[2]
 
 
 class UpDecoderBlock(nn.Module):
