@@ -164,3 +164,16 @@ def test_the_workspace_is_a_pool_in_the_shared_schema(engine):
     tile_need = eng.untiled_bytes(min(9, eng.tiling.batch), 8, 8)
     assert seen and all(s == (tile_need, tile_need) for s in seen)
     assert get("modalmesh_kv_pool_page_size", pool) == 0
+
+
+def test_the_warm_up_decodes_the_tile_shape_on_cuda_where_it_fits(engine):
+    """So the first request after SERVING does not compile kernels for its sizes; on the CPU (and where the tile
+    does not fit) a small latent."""
+    base, _ = engine
+    assert base.warm_up_side() == 8  # CPU
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32)
+    eng.device = torch.device("cuda")  # the choice alone; nothing runs
+    eng.fits = lambda batch, h, w: (batch, h, w) == (1, eng.tiling.tile, eng.tiling.tile)
+    assert eng.warm_up_side() == eng.tiling.tile > 8
+    eng.fits = lambda *_: False
+    assert eng.warm_up_side() == 8

@@ -231,10 +231,20 @@ class VAEEngine:
             torch.cuda.empty_cache()
 
     def warm_up(self) -> None:
-        z = torch.zeros(1, self.cfg.latent_channels, 8, 8)
+        side = self.warm_up_side()
+        z = torch.zeros(1, self.cfg.latent_channels, side, side)
         self.decode(z, TilingRequest(mode=OFF))  # its end publishes the idle workspace: a pool from the start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def warm_up_side(self) -> int:
+        """The latent side of the decode before SERVING. On CUDA, the tile's, where it fits: Triton specialises
+        kernels on their sizes, and after an 8x8 warm-up a cold start's first 1024² decode still compiled for
+        2.4 s (SDXL shape, H200, 2026-12-07: `bench/startup.py`). Elsewhere, and where it does not fit, 8x8."""
+        tile = self.tiling.tile
+        if self.device.type == "cuda" and self.fits(1, tile, tile):
+            return tile
+        return 8
 
 
 class DecodeAbandoned(Exception):
