@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -108,8 +109,9 @@ print(time.time() - launched)
 def peer_once(mode: str, cache: Path, quick: bool) -> float:
     """Seconds from launching a process to its first compiled decode, with inductor's and Triton's caches in
     `cache`."""
-    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-           "TRITON_CACHE_DIR": str(cache / "triton")}
+    from modalmesh.compile_cache import CompileCache
+
+    env = {**os.environ, **CompileCache(cache).environment()}  # where --compile-cache puts them
     out = subprocess.run([sys.executable, "-c", PEER_CHILD, str(time.time()), mode,
                           str(Path(__file__).resolve().parents[1]), "1" if quick else "0"],
                          capture_output=True, text=True, env=env, timeout=600)

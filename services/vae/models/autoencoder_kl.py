@@ -185,9 +185,9 @@ class Upsample(nn.Module):
             return group_norm_kernels.phase_weights(weight)
         kept = self._phases
         if (kept is None or kept[0].data_ptr() != weight.data_ptr() or kept[0].dtype != weight.dtype
-                or kept[0].device != weight.device or kept[1] != weight._version
-                or (kept[2].is_inference() and not torch.is_inference_mode_enabled())):
-            kept = self._phases = weight, weight._version, group_norm_kernels.phase_weights(weight)
+                or kept[0].device != weight.device or kept[1] != weight._version):
+            with torch.inference_mode(False):  # a normal tensor, usable outside inference_mode as well
+                kept = self._phases = weight, weight._version, group_norm_kernels.phase_weights(weight)
         return kept[2]
 
 
