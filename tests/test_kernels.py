@@ -217,6 +217,33 @@ def test_group_norm_kernel_merges_tiles_within_a_program(device, layout, case, m
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("case", GROUP_NORM_CASES[::3], ids=lambda c: "x".join(map(str, c)))
+def test_group_norm_apply_walks_several_tiles_per_program(device, layout, case, monkeypatch):
+    """Three apply tiles per program (the last program's may lie past the pixels' end), four warps."""
+    from modalmesh.kernels import group_norm as gn
+
+    monkeypatch.setattr(gn, "DEFAULT", gn.LaunchConfig(apply_tile=64, apply_tiles=3, apply_warps=4))
+    calls = []
+    real = gn._kernels()[2]
+
+    class Spy:  # the launch's grid and its TILES, then the real kernel
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append((grid, kw["TILES"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    kernels = gn._kernels()
+    monkeypatch.setattr(gn, "_kernels", lambda: (*kernels[:2], Spy()))
+    _check_group_norm(device, torch.float32, layout, True, case)
+    n, c, h, w, _ = case
+    block_s, block_c = gn._tile(1 if layout == "channels_last" else h * w, c, 64, gn.DEFAULT.apply_block_c)
+    tiles = min(3, -(-(h * w) // block_s))
+    assert calls == [((-(-(h * w) // (block_s * tiles)), n, -(-c // block_c)), tiles)], calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_group_norm_kernel_skips_tiles_past_the_end_of_the_last_chunk(device, layout, monkeypatch):
     """Six programs over 4,096 pixels: chunks of three tiles, so the last chunk walks a tile with no pixels,
     which must add nothing to the moments."""

@@ -18,7 +18,7 @@ from modalmesh.rpc.codec import from_proto, to_proto
 from modalmesh.testing import tiny
 from modalmesh.testing.precision import ieee_fp32_convolutions
 from services.vae.config import VAEConfig
-from services.vae.engine import OFF, ON, TilingRequest, VAEEngine, to_unit
+from services.vae.engine import OFF, ON, TilingDefaults, TilingRequest, VAEEngine, to_unit
 from services.vae.weights import build_decoder, load_decoder_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -104,6 +104,26 @@ def test_tiled_decode_on_cuda(no_tf32):
     assert engine.budget_bytes() > 0  # AUTO's memory check reads the device's free memory
 
 
+def test_tile_shaped_decodes_replayed_from_graphs_equal_eager_ones(no_tf32):
+    _, model, cfg = pair("sd_tiny", torch.float32)
+    tiling = TilingDefaults(tile=32, overlap=8, threshold=32, batch=3)
+    eager = VAEEngine(cfg, model, device=CUDA, dtype=torch.float32, tiling=tiling)
+    graphed = VAEEngine(cfg, model, device=CUDA, dtype=torch.float32, tiling=tiling, cuda_graphs=True)
+    graphed.warm_up()  # captures: the warm-up decodes the tile's shape, which fits
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 3] and graphed.graph_pool_bytes > 0
+    replays = graphed.graphs.replays
+    z = latents(cfg, side=32, batch=3)
+    torch.testing.assert_close(graphed.decode(z, TilingRequest(OFF)).pixels, eager.decode(z, TilingRequest(OFF)).pixels,
+                               atol=1e-5, rtol=0)
+    assert graphed.graphs.replays == replays + 1
+    z = latents(cfg, side=48, batch=1)  # four tiles of 32: replays of 3 and 1
+    got, want = (e.decode(z, TilingRequest(ON)) for e in (graphed, eager))
+    assert got.tiles == want.tiles == 4 and graphed.graphs.replays == replays + 3
+    torch.testing.assert_close(got.pixels, want.pixels, atol=1e-5, rtol=0)
+    graphed.decode(latents(cfg, side=24, batch=1), TilingRequest(OFF))  # another shape runs eagerly
+    assert graphed.graphs.replays == replays + 3
+
+
 def test_service_on_cuda_matches_diffusers(tmp_path):
     vae_dir = tiny.ensure("vae16", tmp_path)
     ref = diffusers.AutoencoderKL.from_pretrained(vae_dir).to(CUDA).eval()
@@ -115,6 +135,7 @@ def test_service_on_cuda_matches_diffusers(tmp_path):
             stub = pb.vae_pb2_grpc.VAEServiceStub(channel)
             info = stub.Info(pb.InfoRequest(), timeout=30)
             assert info.device.startswith("cuda") and info.dtype == "float32"
+            assert info.extra["cuda_graph_batches"] == "4"  # tile-shaped decodes captured before SERVING
             z = torch.randn(2, 16, 8, 8)
             reply = stub.Decode(pb.DecodeRequest(latents=to_proto(z), output=pb.TENSOR_FLOAT), timeout=60)
         assert proc.terminate(timeout=60) == 0

@@ -105,6 +105,7 @@ def test_info_describes_the_served_vae(service):
     assert (info.service, info.architecture, info.dtype, info.ready) == ("vae", "AutoencoderKL", "float32", True)
     assert info.extra["latent_channels"] == "4" and info.extra["scale_factor"] == "2"
     assert info.extra["tile_latent_size"] == "16" and info.extra["max_batch"] == "4"
+    assert info.extra["cuda_graph_batches"] == "0"  # CPU: no graphs
     assert [a.component for a in info.attention] == ["vae"]
     assert info.weights_fingerprint.startswith("sha256:")
 
@@ -330,3 +331,13 @@ def test_channels_last_is_on_by_default_only_on_cuda_with_the_fused_kernels():
     assert not settings("--no-channels-last").use_channels_last(cuda)
     assert settings("--channels-last").use_channels_last(cpu)
     assert settings("--channels-last", "--no-fused-kernels").use_channels_last(cuda)
+
+
+def test_cuda_graphs_are_on_unless_turned_off():
+    from services.vae import flags
+    from services.vae.config import VAEServiceConfig
+
+    def settings(*argv):
+        return VAEServiceConfig.from_args(flags.parser().parse_args(["--model", "x", *argv]))
+
+    assert settings().cuda_graphs and not settings("--no-cuda-graphs").cuda_graphs

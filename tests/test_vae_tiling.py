@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from modalmesh.errors import DeadlineExceeded
 from modalmesh.testing import tiny
 from services.vae.config import VAEConfig
-from services.vae.engine import AUTO, OFF, ON, TilingDefaults, TilingRequest, VAEEngine
+from services.vae.engine import AUTO, OFF, ON, DecodeAbandoned, TilingDefaults, TilingRequest, VAEEngine
 from services.vae.tiling import TileGrid, ramp_weights, tile_starts, tiled_decode
 from services.vae.weights import build_decoder, load_decoder
 
@@ -177,3 +178,73 @@ def test_the_warm_up_decodes_the_tile_shape_on_cuda_where_it_fits(engine):
     assert eng.warm_up_side() == eng.tiling.tile > 8
     eng.fits = lambda *_: False
     assert eng.warm_up_side() == 8
+
+
+class _Replays:
+    """BatchGraphs' surface (inputs, sizes, a call per replay) for an engine on the CPU: records each replay's
+    batch; `run` says what a replay returns."""
+
+    def __init__(self, eng, sizes, run):
+        tile = eng.tiling.tile
+        self.inputs = torch.zeros(sizes[-1], eng.cfg.latent_channels, tile, tile)
+        self.sizes, self.run, self.batches = sizes, run, []
+
+    def __call__(self, x):
+        self.batches.append(x.shape[0])
+        return self.run(x)
+
+
+def test_tile_shaped_decodes_replay_the_graphs_in_turn_and_other_shapes_run_eagerly(engine):
+    base, _ = engine
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32)
+    tile, c = eng.tiling.tile, eng.cfg.latent_channels
+    eng.graphs = replays = _Replays(eng, [1, 2], eng._forward)
+    torch.manual_seed(3)
+    z = torch.randn(5, c, tile, tile)
+    got = eng.decode(z, TilingRequest(OFF)).pixels
+    assert replays.batches == [2, 2, 1]  # a batch past the largest graph replays it in turn
+    torch.testing.assert_close(got, base.decode(z, TilingRequest(OFF)).pixels, atol=1e-5, rtol=0)
+    replays.batches.clear()
+    eng.decode(torch.randn(1, c, tile // 2, tile), TilingRequest(OFF))
+    assert replays.batches == []  # another shape: eager
+    tiled = eng.decode(torch.randn(1, c, tile + tile // 2, tile), TilingRequest(ON))
+    assert tiled.tiles == 2 and replays.batches == [2]  # every tile has the tile's shape
+
+
+def test_a_decode_stops_between_graph_replays(engine):
+    """A replay is one launch, so no resnet hook runs inside it: the stop check runs before each replay."""
+    base, _ = engine
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32)
+    tile, scale = eng.tiling.tile, eng.cfg.scale_factor
+    eng.graphs = replays = _Replays(eng, [1, 2], lambda x: torch.zeros(x.shape[0], 3, tile * scale, tile * scale))
+    answers = iter([False, True])
+    with pytest.raises(DecodeAbandoned):
+        eng.decode(torch.randn(4, eng.cfg.latent_channels, tile, tile), TilingRequest(OFF),
+                   should_stop=lambda: next(answers))
+    assert replays.batches == [2] and eng._before_replay is None
+    with pytest.raises(DeadlineExceeded):  # the deadline likewise
+        eng.decode(torch.randn(4, eng.cfg.latent_channels, tile, tile), TilingRequest(OFF), budget_s=1e-9)
+    assert replays.batches == [2]
+
+
+def test_the_graphs_pool_is_not_counted_as_memory_an_eager_decode_may_take(engine, monkeypatch):
+    base, _ = engine
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32)
+    eng.device = torch.device("cuda")  # the arithmetic alone; nothing runs
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 * gib)
+    assert eng.budget_bytes() == int(0.9 * 15 * gib)
+    eng.graph_pool_bytes = 4 * gib
+    assert eng.budget_bytes() == int(0.9 * 11 * gib)
+
+
+def test_the_graphs_batch_is_the_tile_batch_where_it_fits(engine):
+    base, _ = engine
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32, max_batch=8)
+    assert eng.graph_batch() == eng.tiling.batch == 4
+    eng.fits = lambda batch, h, w: batch <= 2
+    assert eng.graph_batch() == 2
+    eng.max_batch = 1
+    assert eng.graph_batch() == 1

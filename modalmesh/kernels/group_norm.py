@@ -41,6 +41,9 @@ class LaunchConfig:
     programs: int = 1024  # stats programs per call: several per SM on any current GPU
     stats_block_c: int = 256  # at most this many channels per tile in channels-last (NCHW tiles take 4)
     apply_block_c: int = 256
+    apply_tiles: int = 1  # apply tiles per program, walked in turn: its per-channel parameters computed once
+    apply_warps: int = 0  # warps per apply program; 0: 8 for tiles of 2,048 elements or more, else 4
+    stats_warps: int = 0  # warps per stats program, likewise
 
 
 DEFAULT = LaunchConfig()
@@ -143,13 +146,12 @@ def _kernels():
 
     @triton.jit
     def apply(X, Out, W, B, PreBias, GroupMean, GroupRstd, S, C, G, cpg, stride_n, stride_c, stride_s, o_n, o_c,
-              o_s, SILU: tl.constexpr, HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+              o_s, SILU: tl.constexpr, HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+              TILES: tl.constexpr):
         # pixel tiles on grid axis 0: axes 1 and 2 stop at 65,535 (a 1024² channels-last tensor has 65,536 tiles)
         sb, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = sb * BLOCK_S + tl.arange(0, BLOCK_S)
         chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = chans < C
-        mask = (rows < S)[:, None] & cmask[None, :]
         groups = n * G + chans // cpg
         mean = tl.load(GroupMean + groups, mask=cmask, other=0.0)
         rstd = tl.load(GroupRstd + groups, mask=cmask, other=0.0)
@@ -157,13 +159,17 @@ def _kernels():
         b = tl.load(B + chans, mask=cmask, other=0.0).to(tl.float32) - a * mean
         if HAS_PRE_BIAS:  # (x + p) * a + b' = x * a + (b' + p * a)
             b += tl.load(PreBias + chans, mask=cmask, other=0.0).to(tl.float32) * a
-        rows64, chans64 = rows.to(tl.int64)[:, None], chans.to(tl.int64)[None, :]
-        x = tl.load(X + n.to(tl.int64) * stride_n + rows64 * stride_s + chans64 * stride_c, mask=mask, other=0.0)
-        y = (x.to(tl.float32) * a[None, :] + b[None, :]).to(Out.dtype.element_ty)
-        if SILU:
-            y32 = y.to(tl.float32)
-            y = (y32 / (1.0 + tl.exp(-y32))).to(Out.dtype.element_ty)
-        tl.store(Out + n.to(tl.int64) * o_n + rows64 * o_s + chans64 * o_c, y, mask=mask)
+        chans64 = chans.to(tl.int64)[None, :]
+        for t in tl.static_range(TILES):
+            rows = (sb * TILES + t) * BLOCK_S + tl.arange(0, BLOCK_S)
+            mask = (rows < S)[:, None] & cmask[None, :]
+            rows64 = rows.to(tl.int64)[:, None]
+            x = tl.load(X + n.to(tl.int64) * stride_n + rows64 * stride_s + chans64 * stride_c, mask=mask, other=0.0)
+            y = (x.to(tl.float32) * a[None, :] + b[None, :]).to(Out.dtype.element_ty)
+            if SILU:
+                y32 = y.to(tl.float32)
+                y = (y32 / (1.0 + tl.exp(-y32))).to(Out.dtype.element_ty)
+            tl.store(Out + n.to(tl.int64) * o_n + rows64 * o_s + chans64 * o_c, y, mask=mask)
 
     return partial_moments, group_moments, apply
 
@@ -253,7 +259,7 @@ def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: Lau
         x, pre_bias if has_pre_bias else x, residual if has_residual else x, target,
         moments.mean, moments.m2, s, c, stride_n, stride_c, stride_s, o_n, o_c, o_s, target.shape[-1],
         x.shape[-1], moments.chunk_s, iters, HAS_PRE_BIAS=has_pre_bias, RESIDUAL=has_residual, PHASES=phases,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8 if block_s * block_c >= 2048 else 4)
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=config.stats_warps or (8 if block_s * block_c >= 2048 else 4))
     return moments  # pointers a flag turns off are never read
 
 
@@ -334,10 +340,11 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
     block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
     c_blocks = -(-c // block_c)
-    warps = 8 if block_s * block_c >= 2048 else 4
+    warps = config.apply_warps or (8 if block_s * block_c >= 2048 else 4)
+    tiles = max(1, min(config.apply_tiles, -(-s // block_s)))  # no program walks only tiles past the end
     has_pre_bias = pre_bias is not None
-    apply[(-(-s // block_s), n, c_blocks)](x, out, weight, bias, pre_bias if has_pre_bias else bias, group_mean,
-                                           group_rstd, s, c, groups, cpg, stride_n, stride_c, stride_s,
-                                           *_pixel_strides(out), SILU=silu, HAS_PRE_BIAS=has_pre_bias,
-                                           BLOCK_S=block_s, BLOCK_C=block_c, num_warps=warps)
+    apply[(-(-s // (block_s * tiles)), n, c_blocks)](
+        x, out, weight, bias, pre_bias if has_pre_bias else bias, group_mean, group_rstd, s, c, groups, cpg,
+        stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu, HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s,
+        BLOCK_C=block_c, TILES=tiles, num_warps=warps)
     return out

@@ -191,6 +191,7 @@ class VAEServiceConfig:
     untiled_budget_bytes: int = 0  # 0: free device memory on CUDA
     channels_last: bool | None = None  # None: on CUDA with the fused kernels (`use_channels_last`)
     cudnn_benchmark: bool = False
+    cuda_graphs: bool = True  # on CUDA: tile-shaped decodes replayed from graphs (VAEEngine.capture_graphs)
     fused_kernels: bool = True  # GroupNorm(+SiLU) as Triton kernels on CUDA (modalmesh.kernels.group_norm)
     png_compress_level: int = 1
     dummy_weights: bool = False
@@ -218,7 +219,7 @@ class VAEServiceConfig:
             tile_size=args.tile_size, tile_overlap=args.tile_overlap, tile_threshold=args.tile_threshold,
             tile_batch=args.tile_batch, max_decode_seconds=args.max_decode_seconds,
             untiled_budget_bytes=args.max_untiled_mb << 20, channels_last=args.channels_last,
-            cudnn_benchmark=args.cudnn_benchmark, fused_kernels=not args.no_fused_kernels,
+            cudnn_benchmark=args.cudnn_benchmark, cuda_graphs=args.cuda_graphs, fused_kernels=not args.no_fused_kernels,
             png_compress_level=args.png_compress_level,
             dummy_weights=args.dummy_weights,
         )

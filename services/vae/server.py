@@ -83,7 +83,8 @@ class VAEDecoderService(Service):
                                 dummy=settings.dummy_weights, metrics=self.metrics)
         self.engine = VAEEngine(self.cfg, self.model, device=self.device, dtype=self.dtype, tiling=self.tiling,
                                 max_batch=settings.max_batch, channels_last=settings.use_channels_last(self.device),
-                                untiled_budget_bytes=settings.untiled_budget_bytes, metrics=self.metrics)
+                                untiled_budget_bytes=settings.untiled_budget_bytes, cuda_graphs=settings.cuda_graphs,
+                                metrics=self.metrics)
         await asyncio.to_thread(self.engine.warm_up)
         self.batcher = DecodeBatcher(self._decode_jobs, max_queue=settings.max_queue, max_batch=settings.max_batch,
                                      metrics=self.metrics)
@@ -117,6 +118,7 @@ class VAEDecoderService(Service):
             "tile_overlap_latent": str(self.tiling.overlap),
             "tile_threshold_latent": str(self.tiling.threshold),
             "max_batch": str(self.settings.max_batch),
+            "cuda_graph_batches": str(self.engine.graphs.sizes[-1] if self.engine and self.engine.graphs else 0),
             "max_images": str(self.settings.limits.max_images),
             "max_latent_side": str(self.settings.limits.max_latent_side),
             "max_queue": str(self.settings.max_queue),
