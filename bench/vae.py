@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if args.quick:
-        args.sizes, args.warmup, args.iters = "64,128", 1, 2
+        args.sizes, args.warmup, args.iters = args.sizes and "64,128", 1, 2
         args.largest_sides = "256,512"
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     profiles = []
-    for dtype_name in [d for d in args.dtypes.split(",") if d]:
+    for dtype_name in [d for d in args.dtypes.split(",") if d and sizes]:  # --sizes '': the tiled decode alone
         dtype = DTYPES[dtype_name]
         reference.float().load_state_dict(full_state)  # exact FP32 weights, then this dtype (as ours gets them)
         ref = reference.to(dtype)

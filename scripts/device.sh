@@ -40,6 +40,7 @@
 #   bash scripts/device.sh vae6-19               # issue 19: the CUDA tests again; the VAE rows beside diffusers compiled
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
+#   bash scripts/device.sh vae7-19               # issue 19: VAE graphs, the GroupNorm passes alone, CUDA tests (~540 s)
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -566,6 +567,23 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step vae-table 110 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-channels-last --warmup 2 --iters 5 --no-unfused
             grep -h "^|\|^# diffusers" "$OUT/vae-table.log" ;;
+        vae7-19)  # issue 19, stop 51 call 1: the CUDA tests (stop 50's inference-mode fix, the graphed engine, apply
+            # tiles per program), each GroupNorm pass alone per shape over warps and tiles per program, bf16 1024^2
+            # with the graphed column (the service's path) and the tiled 4096^2 graphed, profiled; the tiled decode
+            # eager beside it; the VAE service's start (the tile-size warm-up and the capture). Limits sum to 540 s
+            step vae7-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "moments or vae_decoder or bias_and_residual or upsampled_conv or phase or vae or group_norm"
+            step gn-passes 150 python3 bench/group_norm.py --passes
+            step vae7 110 python3 bench/vae.py --sizes 1024 --dtypes bfloat16 --largest-sides 4096 \
+                --largest-channels-last --peer-compile none --no-unfused --warmup 2 --iters 10 --profile
+            step vae7-eager-tiled 60 python3 bench/vae.py --sizes '' --dtypes bfloat16 --largest-sides 4096 \
+                --largest-channels-last --peer-compile none --no-cuda-graphs
+            step startup-vae 100 python3 bench/startup.py --services vae --peer-modes ''
+            cat "$OUT/gn-passes.log"
+            grep -h "^|\|^# largest" "$OUT"/vae7.log "$OUT"/vae7-eager-tiled.log
+            awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae7.log
+            grep -h -A14 "^top kernels, ours NHWC" "$OUT"/vae7.log | cut -c1-150
+            grep -h "^| [op]" "$OUT"/startup-vae.log ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
