@@ -10,10 +10,10 @@ Here a group's statistics are split over many programs:
      per channel, the chunk's mean and sum of squared deviations (Welford per lane of the tile, the lanes
      merged once with Chan's formula: stable where E[x²] - E[x]² is not);
   2. `group_moments`: one program per (sample, group) merges its channels' chunks into the group's mean
-     and 1 / sqrt(var + eps) (biased variance, as GroupNorm);
-  3. `apply`: y = x * a + b' per channel with a = rstd * weight, b' = bias - a * mean (PyTorch's own
-     order), rounded to the activation dtype; with SiLU, y * sigmoid(y) of that rounded y, rounded again
-     (what `F.silu(F.group_norm(x))` rounds).
+     and rstd = 1 / sqrt(var + eps) (biased variance, as GroupNorm), and keeps each of its channels'
+     a = rstd * weight and b' = bias - a * mean (PyTorch's own order);
+  3. `apply`: y = x * a + b' per channel, rounded to the activation dtype; with SiLU, y * sigmoid(y) of
+     that rounded y, rounded again (what `F.silu(F.group_norm(x))` rounds).
 A residual add whose sum a GroupNorm reads next (each VAE resnet block's output) can run as `partial_moments`
 itself (`add_with_moments`): it stores the sum and keeps its moments, and `group_norm(..., moments=)` starts at
 step 2, one read of the tensor fewer. So can a nearest-2x upsample + 3x3 convolution (`upsampled_conv_with_moments`),
@@ -114,8 +114,8 @@ def _kernels():
         tl.store(M2 + out, chunk_m2, mask=cmask)
 
     @triton.jit
-    def group_moments(Mean, M2, GroupMean, GroupRstd, S, C, G, cpg, chunk_s, chunks, total, eps,
-                      BLOCK_K: tl.constexpr, BLOCK_CG: tl.constexpr):
+    def group_moments(Mean, M2, W, B, PreBias, Scale, Shift, S, C, G, cpg, chunk_s, chunks, total, eps,
+                      HAS_PRE_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CG: tl.constexpr):
         # `total` (S * cpg, a float) comes from the host: Triton compiles an int argument equal to 1 as a
         # constant, which has no `.to`, so a 1x1 latent (S == 1) failed to compile when it was cast here
         ng = tl.program_id(0)
@@ -141,24 +141,25 @@ def _kernels():
             d = m - mean
             acc += tl.where(mask, q + d * d * cnt[:, None], 0.0)
         var = tl.sum(tl.sum(acc, axis=1), axis=0) / total
-        tl.store(GroupMean + ng, mean)
-        tl.store(GroupRstd + ng, 1.0 / tl.sqrt(var + eps))
-
-    @triton.jit
-    def apply(X, Out, W, B, PreBias, GroupMean, GroupRstd, S, C, G, cpg, stride_n, stride_c, stride_s, o_n, o_c,
-              o_s, SILU: tl.constexpr, HAS_PRE_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-              TILES: tl.constexpr):
-        # pixel tiles on grid axis 0: axes 1 and 2 stop at 65,535 (a 1024² channels-last tensor has 65,536 tiles)
-        sb, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = chans < C
-        groups = n * G + chans // cpg
-        mean = tl.load(GroupMean + groups, mask=cmask, other=0.0)
-        rstd = tl.load(GroupRstd + groups, mask=cmask, other=0.0)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        # the group's channels' y = x * a + b': a = rstd * weight, b' = bias - a * mean (PyTorch's own order), kept
+        # per (sample, channel) so that `apply` reads two float32 vectors rather than gathering its groups' moments
         a = rstd * tl.load(W + chans, mask=cmask, other=0.0).to(tl.float32)
         b = tl.load(B + chans, mask=cmask, other=0.0).to(tl.float32) - a * mean
         if HAS_PRE_BIAS:  # (x + p) * a + b' = x * a + (b' + p * a)
             b += tl.load(PreBias + chans, mask=cmask, other=0.0).to(tl.float32) * a
+        tl.store(Scale + n * C + chans, a, mask=cmask)
+        tl.store(Shift + n * C + chans, b, mask=cmask)
+
+    @triton.jit
+    def apply(X, Out, Scale, Shift, S, C, stride_n, stride_c, stride_s, o_n, o_c, o_s, SILU: tl.constexpr,
+              BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr):
+        # pixel tiles on grid axis 0: axes 1 and 2 stop at 65,535 (a 1024² channels-last tensor has 65,536 tiles)
+        sb, n, cb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        chans = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = chans < C
+        a = tl.load(Scale + n * C + chans, mask=cmask, other=0.0)
+        b = tl.load(Shift + n * C + chans, mask=cmask, other=0.0)
         chans64 = chans.to(tl.int64)[None, :]
         for t in tl.static_range(TILES):
             rows = (sb * TILES + t) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -330,21 +331,20 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     stride_n, stride_c, stride_s = _pixel_strides(x)
     if moments is None:
         moments = _partial_moments(x, pre_bias, config)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    group_mean, group_rstd = torch.empty(n * groups, **f32), torch.empty(n * groups, **f32)
+    scale, shift = (torch.empty((n, c), dtype=torch.float32, device=x.device) for _ in range(2))
     block_cg = block(cpg)
     chunks = moments.mean.shape[1]
-    group_moments[(n * groups,)](moments.mean, moments.m2, group_mean, group_rstd, s, c, groups, cpg,
-                                 moments.chunk_s, chunks, float(s * cpg), float(eps),
-                                 BLOCK_K=max(MOMENTS_TILE // block_cg, 1), BLOCK_CG=block_cg, num_warps=4)
+    has_pre_bias = pre_bias is not None
+    group_moments[(n * groups,)](moments.mean, moments.m2, weight, bias, pre_bias if has_pre_bias else bias, scale,
+                                 shift, s, c, groups, cpg, moments.chunk_s, chunks, float(s * cpg), float(eps),
+                                 HAS_PRE_BIAS=has_pre_bias, BLOCK_K=max(MOMENTS_TILE // block_cg, 1),
+                                 BLOCK_CG=block_cg, num_warps=4)
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
     block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
     c_blocks = -(-c // block_c)
     warps = config.apply_warps or (8 if block_s * block_c >= 2048 else 4)
     tiles = max(1, min(config.apply_tiles, -(-s // block_s)))  # no program walks only tiles past the end
-    has_pre_bias = pre_bias is not None
     apply[(-(-s // (block_s * tiles)), n, c_blocks)](
-        x, out, weight, bias, pre_bias if has_pre_bias else bias, group_mean, group_rstd, s, c, groups, cpg,
-        stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu, HAS_PRE_BIAS=has_pre_bias, BLOCK_S=block_s,
+        x, out, scale, shift, s, c, stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu, BLOCK_S=block_s,
         BLOCK_C=block_c, TILES=tiles, num_warps=warps)
     return out
