@@ -41,6 +41,7 @@
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
 #   bash scripts/device.sh vae7-19               # issue 19: VAE graphs, the GroupNorm passes alone, CUDA tests (~540 s)
+#   bash scripts/device.sh vae8-19, then towers8-19   # issue 19's whole table in two calls on one warm machine
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -584,6 +585,36 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae7.log
             grep -h -A14 "^top kernels, ours NHWC" "$OUT"/vae7.log | cut -c1-150
             grep -h "^| [op]" "$OUT"/startup-vae.log ;;
+        vae8-19)  # issue 19, stop 51, call 1 of 2 (vae7-19 regrouped so that one call has the VAE's rows whole): the
+            # CUDA tests; the VAE rows beside diffusers eager and compiled channels-last (a cold inductor cache) with the
+            # graphed column and the tiled 4096^2 graphed, profiled; each GroupNorm pass alone; the VAE service's start.
+            # Limits sum to 560 s
+            step vae8-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_vae_cuda.py \
+                -k "moments or vae_decoder or bias_and_residual or upsampled_conv or phase or vae or group_norm"
+            step vae-table 250 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5 --no-unfused \
+                --profile
+            step gn-passes 100 python3 bench/group_norm.py --passes
+            step startup-vae 90 python3 bench/startup.py --services vae --peer-modes ''
+            grep -h "^|\|^# diffusers\|^# largest\|^# ours" "$OUT/vae-table.log"
+            awk '/^profile,/ {on = 1} /^(kernel families)/ {on = 0} on || /^kernel families/' "$OUT"/vae-table.log
+            grep -h -A14 "^top kernels, ours NHWC bfloat16" "$OUT"/vae-table.log | cut -c1-150
+            cat "$OUT/gn-passes.log"
+            grep -h "^| [op]" "$OUT"/startup-vae.log ;;
+        towers8-19)  # issue 19, stop 51, call 2 of 2 (the warm machine after vae8-19): the towers beside HF eager and
+            # compiled, the tiled 4096^2 eager (the graphs' A/B), then where the towers' time goes. Limits sum to 540 s
+            tower_tables
+            step vae-eager-tiled 60 python3 bench/vae.py --sizes '' --dtypes bfloat16 --largest-sides 4096 \
+                --largest-channels-last --peer-compile none --no-cuda-graphs
+            step vision-profile 90 python3 bench/vision.py --only siglip-b32,qwen2vl-8x448,qwen25vl-8x448 --iters 10 \
+                --no-hf --peer-compile none --profile
+            step audio-profile 80 python3 bench/audio.py --batch 1 16 --iters 10 --peer-compile none --profile \
+                --profile-batch 1 16
+            grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
+            grep -h "^|\|^# largest" "$OUT/vae-eager-tiled.log"
+            awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
+                "$OUT"/{vision,audio}-profile.log ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
