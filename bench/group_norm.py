@@ -55,7 +55,8 @@ def per_call_ms(fn, device, iters, repeat=10) -> float:
 
 
 def passes(inputs, weight, bias, groups, device, iters, bandwidth) -> None:
-    """Each pass alone, per shape: µs and GB/s (bytes read + written) beside PyTorch's own elementwise
+    """Each pass alone, per shape: µs and GB/s (bytes read + written; "apply" includes group_moments, a
+    program per group over the small partials) beside PyTorch's own elementwise
     kernel over the same tensor (x * 1.5, one read and one write) and the copy bandwidth."""
     print(f"\n# each pass alone (copy bandwidth {bandwidth / 1e9:.0f} GB/s); apply reads and writes x, stats reads it")
     print("| C x side | x MB | torch x*1.5 GB/s | apply default GB/s | apply no SiLU GB/s | best apply GB/s "

@@ -112,6 +112,7 @@ def graphed_column(cfg: VAEConfig, model, channels_last: bool, z, device, args) 
         print("# ours graphed: no graphs (capture failed or the tile batch does not fit)", flush=True)
         return float("nan")
     ms = timer(lambda: engine.decode(z, TilingRequest(mode=OFF)), device, args.warmup, args.iters) / args.batch
+    engine.graphs = None  # its graphs hold engine._forward: the cycle kept the pool past `del engine`
     del engine
     torch.cuda.empty_cache()  # the graphs' pool
     return ms
@@ -270,8 +271,9 @@ def main(argv=None) -> int:
         print(f"\n# largest tiled decode ({args.largest}, tiles {tiling.tile}/{tiling.overlap} latent, "
               f"{tiling.batch} per call, {'NHWC' if args.largest_channels_last else 'NCHW'}, "
               f"{'graphs of ' + str(engine.graphs.sizes) if engine.graphs else 'eager'})")
-        print("| size | tiles | first s | warm s | peak GiB | result |")  # warm: the same shape again (what a
-        print("|---|---|---|---|---|---|")                                    # service sees after its first)
+        # first: after the engine's warm-up (as a service's first request); warm: the same shape again
+        print("| size | tiles | first s (after the warm-up) | warm s | peak GiB | result |")
+        print("|---|---|---|---|---|---|")
         largest = None
         for size in [int(s) for s in args.largest_sides.split(",") if s]:
             side = size // cfg.scale_factor

@@ -104,22 +104,25 @@ def test_tiled_decode_on_cuda(no_tf32):
     assert engine.budget_bytes() > 0  # AUTO's memory check reads the device's free memory
 
 
-def test_tile_shaped_decodes_replayed_from_graphs_equal_eager_ones(no_tf32):
-    _, model, cfg = pair("sd_tiny", torch.float32)
+@pytest.mark.parametrize("dtype, channels_last", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32-nchw", "bf16-nhwc"])  # the second is the service's default on CUDA
+def test_tile_shaped_decodes_replayed_from_graphs_equal_eager_ones(dtype, channels_last, no_tf32):
+    _, model, cfg = pair("sd_tiny", dtype)
     tiling = TilingDefaults(tile=32, overlap=8, threshold=32, batch=3)
-    eager = VAEEngine(cfg, model, device=CUDA, dtype=torch.float32, tiling=tiling)
-    graphed = VAEEngine(cfg, model, device=CUDA, dtype=torch.float32, tiling=tiling, cuda_graphs=True)
+    kw = dict(device=CUDA, dtype=dtype, tiling=tiling, channels_last=channels_last)
+    eager, graphed = VAEEngine(cfg, model, **kw), VAEEngine(cfg, model, **kw, cuda_graphs=True)
+    tol = dict(atol=1e-5 if dtype == torch.float32 else 2.0 ** -7, rtol=0)  # the same kernels; bf16: an ulp at 1
     graphed.warm_up()  # captures: the warm-up decodes the tile's shape, which fits
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 3] and graphed.graph_pool_bytes > 0
     replays = graphed.graphs.replays
     z = latents(cfg, side=32, batch=3)
     torch.testing.assert_close(graphed.decode(z, TilingRequest(OFF)).pixels, eager.decode(z, TilingRequest(OFF)).pixels,
-                               atol=1e-5, rtol=0)
+                               **tol)
     assert graphed.graphs.replays == replays + 1
     z = latents(cfg, side=48, batch=1)  # four tiles of 32: replays of 3 and 1
     got, want = (e.decode(z, TilingRequest(ON)) for e in (graphed, eager))
     assert got.tiles == want.tiles == 4 and graphed.graphs.replays == replays + 3
-    torch.testing.assert_close(got.pixels, want.pixels, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.pixels, want.pixels, **tol)
     graphed.decode(latents(cfg, side=24, batch=1), TilingRequest(OFF))  # another shape runs eagerly
     assert graphed.graphs.replays == replays + 3
 

@@ -246,5 +246,43 @@ def test_the_graphs_batch_is_the_tile_batch_where_it_fits(engine):
     assert eng.graph_batch() == eng.tiling.batch == 4
     eng.fits = lambda batch, h, w: batch <= 2
     assert eng.graph_batch() == 2
-    eng.max_batch = 1
+    eng.max_batch = 1  # a tiled decode still sends a tile batch at a time
+    assert eng.graph_batch() == 2
+    eng.fits = lambda batch, h, w: False
     assert eng.graph_batch() == 1
+
+
+def test_the_warm_up_captures_graphs_on_cuda_when_asked_and_the_tile_fits(engine, monkeypatch):
+    base, _ = engine
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    for graphs_on, fits, captures in ((True, True, 1), (False, True, 0), (True, False, 0)):
+        eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32, cuda_graphs=graphs_on)
+        eng.device = torch.device("cuda")  # the choices alone: the decode and the capture are stand-ins
+        eng.fits = lambda *_, fits=fits: fits  # the warm-up decodes the tile's side only where it fits
+        sides, captured = [], []
+        eng.decode = lambda z, req: sides.append(z.shape[-1])
+        eng.capture_graphs = lambda: captured.append(True)
+        eng.publish_workspace = lambda used: None
+        eng.warm_up()
+        assert sides == [eng.tiling.tile if fits else 8] and len(captured) == captures, (graphs_on, fits)
+
+
+def test_a_failed_capture_leaves_the_engine_eager_with_no_pool(engine, monkeypatch):
+    from services.vae import engine as engine_mod
+
+    base, _ = engine
+    eng = VAEEngine(base.cfg, base.model, device=CPU, dtype=torch.float32, cuda_graphs=True)
+    reserved = iter([1 << 30, 3 << 30, 1 << 30, 1 << 30])  # before / after a capture, then a failed one
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: next(reserved))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 1 << 29)
+    got = []
+    monkeypatch.setattr(engine_mod.BatchGraphs, "capture", lambda forward, **kw: got.append(kw) or "graphs")
+    eng.capture_graphs()
+    assert eng.graphs == "graphs" and eng.graph_pool_bytes == 2 << 30
+    tile = eng.tiling.tile
+    assert got == [dict(item_shape=(eng.cfg.latent_channels, tile, tile), dtype=torch.float32, device=CPU,
+                        max_batch=eng.tiling.batch)]
+    monkeypatch.setattr(engine_mod.BatchGraphs, "capture", lambda forward, **kw: None)  # capture failed
+    eng.capture_graphs()
+    assert eng.graphs is None and eng.graph_pool_bytes == 0

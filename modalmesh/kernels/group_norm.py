@@ -34,7 +34,8 @@ from modalmesh.kernels import block
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes of the two pixel passes and the stats pass's parallelism (`bench/group_norm.py` sweeps them)."""
+    """Tile sizes, tiles per program and warps of the two pixel passes, and the stats pass's parallelism
+    (`bench/group_norm.py` sweeps them)."""
 
     stats_tile: int = 2048  # elements per tile of partial_moments (BLOCK_S x BLOCK_C)
     apply_tile: int = 2048  # elements per tile of apply

@@ -8,7 +8,8 @@
     inputs.py     DecodeRequest -> DecodeJob: every check, unscaling; the wire types stop here
     batcher.py    DecodeBatcher: jobs of one latent shape and tiling per decoder call (on
                   modalmesh.batching), and what the worker thread does with a batch
-    engine.py     VAEEngine: decode plan (untiled / tiled, memory budget), post-processing, PNG
+    engine.py     VAEEngine: decode plan (untiled / tiled, memory budget), CUDA graphs of the tile's shape,
+                  post-processing, PNG
     tiling.py     the tile grid and the cross-faded tiled decode
     weights.py    checkpoint names -> decoder, as data; build and load
     models/       the AutoencoderKL decoder, architecture only

@@ -178,8 +178,9 @@ class VAEEngine:
                should_stop: Callable[[], bool] | None = None, budget_s: float = 0.0) -> DecodeResult:
         """z: (B, C, h, w) as AutoencoderKL.decode takes it (already unscaled), any device/float dtype.
 
-        `should_stop` is asked before every resnet block (and so between tiles): once it says yes the
-        decode stops with DecodeAbandoned, so a request nobody waits for no longer holds the worker.
+        `should_stop` is asked before every resnet block of an eager decode, and before every graph replay
+        (a tile batch) of a graphed one: once it says yes the decode stops with DecodeAbandoned, so a
+        request nobody waits for no longer holds the worker.
         Past `budget_s` seconds (0: none) it stops the same way with DeadlineExceeded."""
         if should_stop is None and not budget_s:
             return self._decode_or_tile(z, req)
@@ -262,8 +263,9 @@ class VAEEngine:
             self.publish_workspace(0)  # the budget less the graphs' pool
 
     def graph_batch(self) -> int:
-        """The largest batch with a graph: a tile batch, where that many tiles fit the budget, else fewer."""
-        tile, batch = self.tiling.tile, min(self.tiling.batch, self.max_batch)
+        """The largest batch with a graph: a tile batch (what a tiled decode sends, whatever --max-batch), where
+        that many tiles fit the budget, else fewer."""
+        tile, batch = self.tiling.tile, self.tiling.batch
         while batch > 1 and not self.fits(batch, tile, tile):
             batch -= 1
         return batch
@@ -274,6 +276,7 @@ class VAEEngine:
         less device time than Python takes to launch it: on an H200 the 1024² bf16 decode's stream sat idle
         1.1 of 21.3 ms (2026-12-07, `bench/vae.py --profile`). A replay launches them all at once."""
         tile = self.tiling.tile
+        self.graphs, self.graph_pool_bytes = None, 0  # a capture again: the old pool freed before measuring
         torch.cuda.empty_cache()  # what the graphs' pool adds, measured as idle memory before and after
         idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         self.graphs = BatchGraphs.capture(self._forward, item_shape=(self.cfg.latent_channels, tile, tile),
@@ -293,7 +296,8 @@ class VAEEngine:
 
 
 class DecodeAbandoned(Exception):
-    """Every request of the decode went away (cancelled, deadline passed): it stopped between blocks."""
+    """Every request of the decode went away (cancelled, deadline passed): it stopped between blocks (or
+    between graph replays)."""
 
 
 def _stop_point(should_stop: Callable[[], bool] | None, deadline: float | None, budget_s: float):

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cuDNN converts NCHW to NHWC around each convolution)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, decodes of the tile's shape (each tile, and images of the tile's size) replayed "
-                        "from CUDA graphs, one per batch of 1..--tile-batch, captured before SERVING")
+                        "from CUDA graphs, one per batch of 1..--tile-batch (fewer where memory is short), "
+                        "captured before SERVING")
     g.add_argument("--cudnn-benchmark", action="store_true", help="let cuDNN time conv algorithms per shape")
     g.add_argument("--no-fused-kernels", action="store_true",
                    help="PyTorch's GroupNorm and SiLU on CUDA too (no Triton kernels)")
