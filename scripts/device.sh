@@ -615,6 +615,14 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -h "^|\|^# largest" "$OUT/vae-eager-tiled.log"
             awk '/^profile,/ {on = 1} /^(top kernels|kernel families)/ {on = 0} on || /^kernel families/' \
                 "$OUT"/{vision,audio}-profile.log ;;
+        towers9-19)  # towers8-19 without the profiles (what the device time left after vae8-19 allows): limits sum
+            # to 370 s
+            tower_tables
+            step vae-eager-tiled 60 python3 bench/vae.py --sizes '' --dtypes bfloat16 --largest-sides 4096 \
+                --largest-channels-last --peer-compile none --no-cuda-graphs
+            grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
+            grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
+            grep -h "^|\|^# largest" "$OUT/vae-eager-tiled.log" ;;
         ours-compiled-19)  # issue 19: our VAE decoder under torch.compile (default mode) beside its eager self, bf16 1024²
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
