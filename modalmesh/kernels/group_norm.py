@@ -44,7 +44,10 @@ class LaunchConfig:
     apply_block_c: int = 256
     apply_tiles: int = 1  # apply tiles per program, walked in turn: its per-channel parameters computed once
     apply_warps: int = 0  # warps per apply program; 0: 8 for tiles of 2,048 elements or more, else 4
-    stats_warps: int = 0  # warps per stats program, likewise
+    # warps per stats program (0: as apply's rule). 4, where the rule gave 8 to the decoder's 2,048-element tiles:
+    # the 1024² bf16 SDXL decode 0.3-0.5 ms faster, alternated twice on an H100 (2026-12-07, `bench/vae.py`); each
+    # stats pass alone over the decoder's shapes 2.62 against 2.91 ms (`bench/group_norm.py --passes`)
+    stats_warps: int = 4
 
 
 DEFAULT = LaunchConfig()
