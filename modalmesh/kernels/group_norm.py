@@ -213,6 +213,11 @@ def _tile(stride_c: int, channels: int, tile: int, max_block_c: int) -> tuple[in
     return tile // block_c, block_c
 
 
+def _warps(setting: int, tile_elements: int) -> int:
+    """A pass's warps per program: `setting`, or where it is 0, 8 for tiles of 2,048 elements or more, else 4."""
+    return setting or (8 if tile_elements >= 2048 else 4)
+
+
 def plan(n: int, c: int, s: int, stride_c: int, config: LaunchConfig = DEFAULT) -> tuple[int, int, int, int]:
     """(BLOCK_S, BLOCK_C, chunks, iters): the stats kernel's tiles, and its pixel chunks of `iters` tiles each,
     about `config.programs` programs in all. The last chunk may hold tiles past the end of the pixels."""
@@ -264,7 +269,7 @@ def _partial_moments(x: torch.Tensor, pre_bias: torch.Tensor | None, config: Lau
         x, pre_bias if has_pre_bias else x, residual if has_residual else x, target,
         moments.mean, moments.m2, s, c, stride_n, stride_c, stride_s, o_n, o_c, o_s, target.shape[-1],
         x.shape[-1], moments.chunk_s, iters, HAS_PRE_BIAS=has_pre_bias, RESIDUAL=has_residual, PHASES=phases,
-        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=config.stats_warps or (8 if block_s * block_c >= 2048 else 4))
+        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_warps(config.stats_warps, block_s * block_c))
     return moments  # pointers a flag turns off are never read
 
 
@@ -346,9 +351,8 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor, bias: torch.T
     out = torch.empty_like(x)  # the input's memory format (a dense one where `x` is a view)
     block_s, block_c = _tile(stride_c, c, config.apply_tile, config.apply_block_c)
     c_blocks = -(-c // block_c)
-    warps = config.apply_warps or (8 if block_s * block_c >= 2048 else 4)
     tiles = max(1, min(config.apply_tiles, -(-s // block_s)))  # no program walks only tiles past the end
     apply[(-(-s // (block_s * tiles)), n, c_blocks)](
         x, out, scale, shift, s, c, stride_n, stride_c, stride_s, *_pixel_strides(out), SILU=silu, BLOCK_S=block_s,
-        BLOCK_C=block_c, TILES=tiles, num_warps=warps)
+        BLOCK_C=block_c, TILES=tiles, num_warps=_warps(config.apply_warps, block_s * block_c))
     return out
