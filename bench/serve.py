@@ -3,6 +3,8 @@
     python bench/serve.py --target 127.0.0.1:50053 --concurrency 256 --requests 512
     python bench/serve.py --start              # starts `python -m services.llm` itself
                                                # (Qwen2.5-7B shape, random weights, bf16 on a GPU)
+    python bench/serve.py --start --concurrency 1,16 --requests 8,64 --prompt-len 3968 --output-len 64
+                                               # one load after the other on one started service
 
 Reports output tokens/s, time to first token and time per output token
 percentiles, measured at the client, the numbers a user compares with vLLM /
@@ -70,13 +72,15 @@ def _client_process(args: tuple) -> tuple[list, float, float]:
 
 
 def run(target: str, concurrency: int, requests: int, prompt_len: int, output_len: int, vocab: int,
-        client_procs: int = 1) -> dict:
+        client_procs: int = 1, seed: int = 0) -> dict:
     """The load from `client_procs` processes (streams and requests split evenly), so that the client's own
-    event loop is never what limits a fast server; every figure is over all of them."""
+    event loop is never what limits a fast server; every figure is over all of them. Each `seed` gives other
+    prompts, so a later load on the same service finds none of an earlier one's in the prefix cache."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    client_procs = min(client_procs, concurrency)  # each process runs at least one stream
     if client_procs <= 1:
         results, start, end = asyncio.run(load(target, concurrency, prompts, output_len))
     else:
@@ -140,8 +144,10 @@ def main() -> int:
     parser.add_argument("--start", action="store_true", help="start a local LLM service (random weights)")
     parser.add_argument("--quick", action="store_true", help="with --start: a tiny model on the CPU")
     parser.add_argument("--tp", type=int, default=1, help="with --start: --tensor-parallel-size")
-    parser.add_argument("--concurrency", type=int, default=256)
-    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=lambda v: [int(c) for c in v.split(",")], default=[256],
+                        help="concurrent streams; a comma list runs one load after the other on the same service")
+    parser.add_argument("--requests", type=lambda v: [int(r) for r in v.split(",")], default=[512],
+                        help="requests of each load: one number for all, or a comma list beside --concurrency's")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -151,27 +157,32 @@ def main() -> int:
     parser.add_argument("--llm-flag", action="append", default=[],
                         help="with --start: one more flag for the service (repeat), e.g. --llm-flag=--no-gc-freeze")
     args = parser.parse_args()
+    if len(args.requests) not in (1, len(args.concurrency)):
+        parser.error("--requests: one number, or as many as --concurrency has")
+    requests = args.requests * len(args.concurrency) if len(args.requests) == 1 else args.requests
     proc = None
     if args.start:
-        proc, args.vocab = start_service(args.concurrency, args.quick, args.tp, tuple(args.llm_flag))
+        proc, args.vocab = start_service(max(args.concurrency), args.quick, args.tp, tuple(args.llm_flag))
         args.target = proc.target
+    lines = []
     try:
-        gc_before = gc_pauses(proc)
-        stats = run(args.target, args.concurrency, args.requests, args.prompt_len, args.output_len, args.vocab,
-                    args.client_procs if args.client_procs is not None else (1 if args.quick else 4))
-        gc_after = gc_pauses(proc)
-        if gc_before is not None and gc_after is not None:  # the service's collector pauses during the load
-            stats.update({f"gc_gen{g}_{'n' if k == 'n' else 'ms'}": (gc_after[g][k] - gc_before[g][k]) * (1e3 if k == "s" else 1)
-                          for g in range(3) for k in ("n", "s")})
+        for seed, (concurrency, n) in enumerate(zip(args.concurrency, requests)):
+            gc_before = gc_pauses(proc)
+            stats = run(args.target, concurrency, n, args.prompt_len, args.output_len, args.vocab,
+                        args.client_procs if args.client_procs is not None else (1 if args.quick else 4), seed)
+            gc_after = gc_pauses(proc)
+            if gc_before is not None and gc_after is not None:  # the service's collector pauses during the load
+                stats.update({f"gc_gen{g}_{'n' if k == 'n' else 'ms'}": (gc_after[g][k] - gc_before[g][k]) * (1e3 if k == "s" else 1)
+                              for g in range(3) for k in ("n", "s")})
+            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}, indent=1))
+            lines.append(f"TP={args.tp}{' ' + ' '.join(args.llm_flag) if args.llm_flag else ''}: {concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
+                         f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
+                         f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
     finally:
         if proc is not None:
             proc.terminate(timeout=120)
-    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in stats.items()}, indent=1))
-    print(f"TP={args.tp}{' ' + ' '.join(args.llm_flag) if args.llm_flag else ''}: {args.concurrency} concurrent streams, {args.prompt_len} in / {args.output_len} out: "
-          f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
-          f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
+    print("\n".join(lines))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

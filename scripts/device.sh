@@ -742,6 +742,22 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step placement-b512 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 512"
             step placement-b8192 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 8192"
             for f in placement-b512 placement-b8192; do echo "-- $f"; grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
+        budget2-17)  # issue 17 (stop 52, call 1, ~480 s): what the step token budget (--max-batch-tokens) costs
+            # long prompts and buys mixed loads, one started service per budget: a lone 3,968-token prompt at a
+            # time (its TTFT alone), then 16 streams of them (64 out; the bench's service takes 4,096) at 512 /
+            # 1,024 / 2,048 / 8,192; then 256 text streams (128/128) at 1,024, and image+text (embeddings
+            # layout) at 1,024 and 8,192 in the same call as controls (512 .. 2,048 ran on 2026-12-07)
+            for b in 512 1024 2048 8192; do
+                step long-b$b 90 python3 bench/serve.py --start --concurrency 1,16 --requests 12,64 --prompt-len 3968 \
+                    --output-len 64 --llm-flag=--max-batch-tokens=$b
+            done
+            step serve-b1024 70 python3 bench/serve.py --start --requests 4096 --llm-flag=--max-batch-tokens=1024
+            emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
+            step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
+            step placement-b8192 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 8192"
+            for b in 512 1024 2048 8192; do grep -h "^TP=" "$OUT/long-b$b.log"; done
+            grep -h "^TP=" "$OUT/serve-b1024.log"
+            for f in placement-b1024 placement-b8192; do echo "-- $f"; grep -A3 -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
