@@ -277,6 +277,12 @@ def test_config_is_built_once_from_the_flags_and_replaced_per_rank(ckpts):
     defaults = parser.parse_args([])
     for name in ("max_graph_tokens", "max_batch_tokens", "max_num_seqs", "page_size"):  # one default each
         assert getattr(defaults, name) == getattr(LLMConfig, name), name
+    # The budget is 1,024 by default: sequence slots past it could never all decode in one step.
+    with pytest.raises(ConfigError, match="--max-batch-tokens 1024 is below --max-num-seqs 2048"):
+        LLMConfig.from_args(_args(max_num_seqs=2048, max_batch_tokens=1024), model_dir, device=torch.device("cpu"),
+                            dtype=torch.float32)
+    assert LLMConfig.from_args(_args(max_num_seqs=64, max_batch_tokens=64), model_dir, device=torch.device("cpu"),
+                               dtype=torch.float32).max_num_seqs == 64
     with pytest.raises(ConfigError, match="--max-graph-tokens -1"):
         LLMConfig.from_args(_args(max_graph_tokens=-1), model_dir, device=torch.device("cpu"), dtype=torch.float32)
 

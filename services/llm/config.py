@@ -96,6 +96,10 @@ class LLMConfig:
             if value < 0:
                 flag = "--max-items-per-request" if name == "max_items" else "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value}: must be >= 0")
+        if self.max_batch_tokens < self.max_num_seqs:  # vLLM refuses the same: slots no step could decode
+            raise ConfigError(f"--max-batch-tokens {self.max_batch_tokens} is below --max-num-seqs {self.max_num_seqs}: "
+                              "a step could not give every running sequence its decode token; raise the budget "
+                              "or lower the sequences")
         if self.max_graph_tokens < 0:
             raise ConfigError(f"--max-graph-tokens {self.max_graph_tokens}: must be >= 0")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
