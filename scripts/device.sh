@@ -729,20 +729,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
                 -o "$OUT/where-b256.txt" -- python3 bench/llm.py --batches 256 --no-hf
             grep -E "^ +(batch|[0-9]+ )" "$OUT/where-b256.log"
             python3 scripts/pyspy_summary.py "$OUT/where-b256.txt" --top 20 >"$OUT/where-b256-summary.txt" 2>&1 ;;
-        budget-17)  # issue 17, not run yet (~350 s, one GPU): what a smaller step token budget (--max-batch-tokens)
-            # costs long prompts: 16 streams of 3,968-token prompts (the bench's service takes 4,096), 64 out, at
-            # 512 / 1,024 / 2,048 / 8,192; then 256 text streams at 1,024 (512 and 8,192 ran on 2026-12-07) and
-            # image+text at 512 and 8,192 as the same call's controls
-            for b in 512 1024 2048 8192; do
-                step long-b$b 75 python3 bench/serve.py --start --concurrency 16 --requests 128 --prompt-len 3968 \
-                    --output-len 64 --llm-flag=--max-batch-tokens=$b
-            done
-            step serve-b1024 70 python3 bench/serve.py --start --requests 4096 --llm-flag=--max-batch-tokens=1024
-            emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
-            step placement-b512 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 512"
-            step placement-b8192 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 8192"
-            for f in placement-b512 placement-b8192; do echo "-- $f"; grep -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
-        budget2-17)  # issue 17 (stop 52, call 1, ~480 s): what the step token budget (--max-batch-tokens) costs
+        budget2-17)  # issue 17 (stop 52, call 1, ~390 s; replaces budget-17, never run): what the step token budget (--max-batch-tokens) costs
             # long prompts and buys mixed loads, one started service per budget: a lone 3,968-token prompt at a
             # time (its TTFT alone), then 16 streams of them (64 out; the bench's service takes 4,096) at 512 /
             # 1,024 / 2,048 / 8,192; then 256 text streams (128/128) at 1,024, and image+text (embeddings
