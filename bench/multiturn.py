@@ -103,7 +103,7 @@ async def load(target: str, system: str, images: list[bytes], turns: int, output
 def run(label: str, common: list[str], vision: ServiceProcess, model_dir: Path, args, seed: int,
         extra: list[str]) -> dict:
     flags = [*common, "--vision-encoder", vision.target, "--max-num-seqs", str(max(args.conversations, 8)),
-             "--max-model-len", "8192", *extra]
+             "--max-batch-tokens", str(max(1024, args.conversations)), "--max-model-len", "8192", *extra]
     flags += ["--kv-cache-tokens", "65536"] if args.quick else ["--mem-fraction", "0.8"]
     llm = ServiceProcess("llm", flags).start()
     try:

@@ -231,7 +231,8 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
         for v in visions:
             v.wait_listening(600)
         targets = ",".join(f"127.0.0.1:{v.grpc_port}" for v in visions)
-        llm_flags = [*common, "--max-num-seqs", str(args.concurrency), *shlex.split(args.llm_args)]
+        llm_flags = [*common, "--max-num-seqs", str(args.concurrency),  # the budget holds a decode row each
+                     "--max-batch-tokens", str(max(1024, args.concurrency)), *shlex.split(args.llm_args)]
         if visions:
             llm_flags += ["--vision-encoder", f"ipv4:{targets}"]
         if args.quick:

@@ -80,7 +80,7 @@ def run(target: str, concurrency: int, requests: int, prompt_len: int, output_le
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(requests)]
-    client_procs = min(client_procs, concurrency)  # each process runs at least one stream
+    client_procs = min(client_procs, concurrency, requests)  # each process runs a stream and has a prompt
     if client_procs <= 1:
         results, start, end = asyncio.run(load(target, concurrency, prompts, output_len))
     else:
@@ -88,8 +88,8 @@ def run(target: str, concurrency: int, requests: int, prompt_len: int, output_le
         import multiprocessing as mp
 
         go_at = time.perf_counter() + 5.0  # every client connected and warmed up by then
-        shares = [(target, max(1, concurrency // client_procs), prompts[i::client_procs], output_len, go_at)
-                  for i in range(client_procs)]
+        shares = [(target, concurrency // client_procs + (i < concurrency % client_procs), prompts[i::client_procs],
+                   output_len, go_at) for i in range(client_procs)]
         with cf.ProcessPoolExecutor(client_procs, mp_context=mp.get_context("spawn")) as pool:
             parts = list(pool.map(_client_process, shares))
         results = [r for part in parts for r in part[0]]
@@ -110,7 +110,8 @@ def start_service(max_num_seqs: int, quick: bool, tp: int = 1, extra: tuple[str,
 
     ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt), "--dummy-weights",
-             "--max-num-seqs", str(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096",
+             "--max-num-seqs", str(max_num_seqs), "--max-batch-tokens", str(max(1024, max_num_seqs)),
+             "--max-queue", "100000", "--max-model-len", "4096",
              "--tensor-parallel-size", str(tp)]
     if quick:
         flags += ["--device", "cpu", "--kv-cache-tokens", "65536"]
@@ -179,9 +180,9 @@ def main() -> int:
                          f"{stats['output_tok_s']:.0f} output tok/s, TTFT p50 {stats['ttft_p50_ms']:.0f} ms "
                          f"p99 {stats['ttft_p99_ms']:.0f} ms, TPOT p50 {stats['tpot_p50_ms']:.1f} ms")
     finally:
+        print("\n".join(lines))  # every finished load's line, also when a later one fails
         if proc is not None:
             proc.terminate(timeout=120)
-    print("\n".join(lines))
     return 0
 
 if __name__ == "__main__":

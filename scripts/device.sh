@@ -50,7 +50,8 @@
 #   bash scripts/device.sh post-17               # issue 17: M-RoPE kernel tests; .prev / .mid / this tree, three loads
 #   bash scripts/device.sh short-17              # post-17 cut to about 300 s
 #   bash scripts/device.sh graphs-17             # issue 17: image+text with the mixed graphs up to 1,024 / 2,048 / 4,096
-#   bash scripts/device.sh budget-17             # issue 17 (not run yet): long prompts' TTFT at step budgets 512..8,192
+#   bash scripts/device.sh budget2-17            # issue 17: long prompts at step budgets 512..8,192, mixed loads' controls
+#   bash scripts/device.sh table4-17             # issue 17's table at the 1,024 budget, 256 streams at 8,192 beside
 #   bash scripts/device.sh prefix-tests serve-once multiturn   # not run yet: the CUDA tests (prompt logprobs under
 #       mixed graphs, the sampler's OpenAI fields, shared-page replay), the msgpack link at 256 streams, issue 22's TTFT
 #
@@ -751,7 +752,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step llm-table 150 python3 bench/llm.py --batches 1,32,256
             step serve-table 110 python3 bench/serve.py --start --requests 4096
             step serve-b8192 90 python3 bench/serve.py --start --requests 4096 --llm-flag=--max-batch-tokens=8192
-            step placement-emb 240 python3 bench/placement.py --layouts embeddings,shared
+            step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
             tail -8 "$OUT/llm-table.log"; grep -h "^TP=" "$OUT"/serve-{table,b8192}.log; tail -36 "$OUT/placement-emb.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;

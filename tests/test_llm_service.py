@@ -74,7 +74,7 @@ def test_greedy_tokens_equal_hf_generate_with_concurrent_requests(ckpts, family)
 
     model_dir = tiny.ensure(family, ckpts)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    llm = LLM(model_dir, "--max-batch-tokens", "16")  # small budget: prompts are chunked, batches mix
+    llm = LLM(model_dir, "--max-batch-tokens", "16", "--max-num-seqs", "16")  # small budget: prompts are chunked, batches mix
     try:
         lengths = [24, 9, 17, 30]
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -301,7 +301,7 @@ def test_tensor_parallel_service_equals_hf_generate(ckpts):
 
     model_dir = tiny.ensure("qwen2", ckpts)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    llm = LLM(model_dir, "--tensor-parallel-size", "2", "--max-batch-tokens", "16")
+    llm = LLM(model_dir, "--tensor-parallel-size", "2", "--max-batch-tokens", "16", "--max-num-seqs", "16")
     try:
         with cf.ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(llm.generate, text=p, sampling=greedy(10)) for p in PROMPTS[:3]]

@@ -73,7 +73,7 @@ def test_tp2_equals_tp1_and_hf_in_tokens_and_logprobs_and_every_rank_runs_the_na
     tok = AutoTokenizer.from_pretrained(model_dir)
     runs, choices, scored = {}, {}, {}
     for tp in (1, 2):
-        llm = LLM(model_dir, "--tensor-parallel-size", str(tp), "--max-batch-tokens", "16",
+        llm = LLM(model_dir, "--tensor-parallel-size", str(tp), "--max-batch-tokens", "16", "--max-num-seqs", "16",
                   "--attention-backend", "llm=sdpa_math")
         try:
             runs[tp] = _generate_all(llm, 10)

@@ -115,7 +115,7 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, *, max_num_seqs: int = 256, max_batch_tokens: int = 8192,
+    def __init__(self, allocator: PageAllocator, *, max_num_seqs: int = 256, max_batch_tokens: int = 1024,
                  max_prefill_chunk: int | None = None, prefix_caching: bool = False):
         if max_num_seqs <= 0 or max_batch_tokens <= 0:
             raise ValueError("max_num_seqs and max_batch_tokens must be positive")
