@@ -185,5 +185,6 @@ def main() -> int:
             proc.terminate(timeout=120)
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
