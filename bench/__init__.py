@@ -50,6 +50,15 @@ def mean_ms_between(before: list, after: list, histogram: str, **labels) -> floa
     return seconds / count * 1e3 if count else float("nan")
 
 
+def llm_slot_flags(max_num_seqs: int) -> list[str]:
+    """A benched LLM service's sequence slots, and a step budget that holds a decode row for each: the service's
+    default budget, or the slots where they are more (the service refuses a budget below them)."""
+    from services.llm.config import LLMConfig
+
+    return ["--max-num-seqs", str(max_num_seqs),
+            "--max-batch-tokens", str(max(LLMConfig.max_batch_tokens, max_num_seqs))]
+
+
 def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
     """Median milliseconds per call: CUDA events on a GPU, the wall clock elsewhere."""
     import statistics

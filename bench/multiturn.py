@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench import percentile  # noqa: E402
+from bench import llm_slot_flags, percentile  # noqa: E402
 from bench.placement import metric, qwen2_vl_7b  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
@@ -102,8 +102,8 @@ async def load(target: str, system: str, images: list[bytes], turns: int, output
 
 def run(label: str, common: list[str], vision: ServiceProcess, model_dir: Path, args, seed: int,
         extra: list[str]) -> dict:
-    flags = [*common, "--vision-encoder", vision.target, "--max-num-seqs", str(max(args.conversations, 8)),
-             "--max-batch-tokens", str(max(1024, args.conversations)), "--max-model-len", "8192", *extra]
+    flags = [*common, "--vision-encoder", vision.target, *llm_slot_flags(max(args.conversations, 8)),
+             "--max-model-len", "8192", *extra]
     flags += ["--kv-cache-tokens", "65536"] if args.quick else ["--mem-fraction", "0.8"]
     llm = ServiceProcess("llm", flags).start()
     try:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from bench import percentile, scrape, total  # noqa: E402
+from bench import llm_slot_flags, percentile, scrape, total  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.ops.launcher import ServiceProcess  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
@@ -231,8 +231,7 @@ def run_layout(name: str, ckpt: Path, args) -> dict:
         for v in visions:
             v.wait_listening(600)
         targets = ",".join(f"127.0.0.1:{v.grpc_port}" for v in visions)
-        llm_flags = [*common, "--max-num-seqs", str(args.concurrency),  # the budget holds a decode row each
-                     "--max-batch-tokens", str(max(1024, args.concurrency)), *shlex.split(args.llm_args)]
+        llm_flags = [*common, *llm_slot_flags(args.concurrency), *shlex.split(args.llm_args)]
         if visions:
             llm_flags += ["--vision-encoder", f"ipv4:{targets}"]
         if args.quick:

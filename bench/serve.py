@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from bench import percentile  # noqa: E402
+from bench import llm_slot_flags, percentile  # noqa: E402
 from modalmesh import pb  # noqa: E402
 from modalmesh.rpc.channel import aio_channel  # noqa: E402
 
@@ -110,8 +110,7 @@ def start_service(max_num_seqs: int, quick: bool, tp: int = 1, extra: tuple[str,
 
     ckpt = make_checkpoint(QUICK if quick else QWEN25_7B)
     flags = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--model", str(ckpt), "--dummy-weights",
-             "--max-num-seqs", str(max_num_seqs), "--max-batch-tokens", str(max(1024, max_num_seqs)),
-             "--max-queue", "100000", "--max-model-len", "4096",
+             *llm_slot_flags(max_num_seqs), "--max-queue", "100000", "--max-model-len", "4096",
              "--tensor-parallel-size", str(tp)]
     if quick:
         flags += ["--device", "cpu", "--kv-cache-tokens", "65536"]

@@ -743,8 +743,6 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             emb=(bench/placement.py --layouts embeddings --requests "${REQUESTS:-1024}")
             step placement-b1024 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 1024"
             step placement-b8192 65 python3 "${emb[@]}" --llm-args "--max-batch-tokens 8192"
-            for b in 512 1024 2048 8192; do grep -h "^TP=" "$OUT/long-b$b.log"; done
-            grep -h "^TP=" "$OUT/serve-b1024.log"
             for f in placement-b1024 placement-b8192; do echo "-- $f"; grep -A3 -E "^ +embeddings \|" "$OUT/$f.log"; done ;;
         table4-17)  # issue 17's table on one GPU, one call (stop 52), the step budget's default at 1,024: decode beside
             # HF, 256 streams at the default and at 8,192, image+text in the embeddings layout (the LLM alone: what its
@@ -753,7 +751,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step serve-table 110 python3 bench/serve.py --start --requests 4096
             step serve-b8192 90 python3 bench/serve.py --start --requests 4096 --llm-flag=--max-batch-tokens=8192
             step placement-emb 230 python3 bench/placement.py --layouts embeddings,shared
-            tail -8 "$OUT/llm-table.log"; grep -h "^TP=" "$OUT"/serve-{table,b8192}.log; tail -36 "$OUT/placement-emb.log" ;;
+            tail -8 "$OUT/llm-table.log"; tail -36 "$OUT/placement-emb.log" ;;
         serve-once) step serve-once 170 env CUDA_VISIBLE_DEVICES=0 python3 bench/serve.py --start --requests 4096 ;;
         *) echo "unknown step $name"; exit 2 ;;
     esac
