@@ -182,28 +182,43 @@ def _path_rates(model, path: str, items, args, device) -> dict:
     return rates
 
 
-def run_case(case: Case, args, device, dtype) -> dict:
-    cfg, proc = hf_config(case.family, args.quick)
-    side = 56 if args.quick else case.image
+def case_side(case: Case, quick: bool) -> int:
+    return 56 if quick else case.image
+
+
+def build_ours(model_dir, device, dtype, fused_kernels: bool = True):
+    """Our encoder on `model_dir` (dummy weights) as the bench times it: SigLIP returns HF's both outputs."""
+    return build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
+                               options={"siglip_output": "both", "preprocess_device": "cpu",
+                                        "fused_kernels": fused_kernels})
+
+
+def tower_inputs(ours, case: Case, side: int, device, dtype):
+    """The case's batch of random images through `prepare` (CPU path), and the tower's device-resident inputs:
+    (prepared items, ms `prepare` took, pixels, grids or None for SigLIP)."""
     rng = np.random.default_rng(0)
     items = [pb.EncodeItem(pixels=to_proto(torch.from_numpy(rng.integers(0, 256, (side, side, 3), np.uint8))))
              for _ in range(case.batch)]
-    with tempfile.TemporaryDirectory() as tmp:
-        write_checkpoint(cfg, proc, Path(tmp))
-        ours = build_encoder_model(tmp, device=device, dtype=dtype, dummy=True,
-                                   options={"siglip_output": "both", "preprocess_device": "cpu",  # HF: both
-                                            "fused_kernels": not args.no_fused_kernels})
-        rates = preprocess_rates(tmp, ours, case, args, device, dtype, side)
     t0 = time.perf_counter()
     prepared = [ours.prepare(item, i) for i, item in enumerate(items)]
     prep_ms = (time.perf_counter() - t0) * 1e3
-    native = case.family != "siglip"
+    if case.family == "siglip":
+        return prepared, prep_ms, torch.stack([p.inputs["pixel_values"] for p in prepared]).to(device, dtype), None
+    grids = [p.meta["grid_thw"] for p in prepared]
+    return prepared, prep_ms, torch.cat([p.inputs["pixel_values"] for p in prepared]).to(device, dtype), grids
+
+
+def run_case(case: Case, args, device, dtype) -> dict:
+    cfg, proc = hf_config(case.family, args.quick)
+    side = case_side(case, args.quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint(cfg, proc, Path(tmp))
+        ours = build_ours(tmp, device, dtype, fused_kernels=not args.no_fused_kernels)
+        rates = preprocess_rates(tmp, ours, case, args, device, dtype, side)
+    prepared, prep_ms, pixels, grids = tower_inputs(ours, case, side, device, dtype)
+    native = grids is not None
     if native:
-        grids = [p.meta["grid_thw"] for p in prepared]
-        pixels = torch.cat([p.inputs["pixel_values"] for p in prepared]).to(device, dtype)
         grid_t = torch.tensor(grids, device=device)
-    else:
-        pixels = torch.stack([p.inputs["pixel_values"] for p in prepared]).to(device, dtype)
     row = {"case": case.name, "batch": case.batch, "tokens": sum(p.cost for p in prepared),
            "backend": ours.tower.blocks[0].attn.attn.backend_name if native
            else ours.tower.encoder.layers[0].self_attn.attn.backend_name}

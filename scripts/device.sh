@@ -40,6 +40,8 @@
 #   bash scripts/device.sh vae6-19               # issue 19: the CUDA tests again; the VAE rows beside diffusers compiled
 #   bash scripts/device.sh profile-towers-19 ours-compiled-19   # where the towers' time goes; our VAE compiled
 #   bash scripts/device.sh startup-19            # issue 19: starts with an empty and a filled --compile-cache
+#   bash scripts/device.sh gemm-19 ours-compiled-19   # issue 19 (device-wheels.sh fa3): the towers' GEMMs against the
+#       GPU's best cuBLAS rate, max-autotune on the costliest; our VAE decoder under torch.compile
 #   bash scripts/device.sh vae7-19               # issue 19: VAE graphs, the GroupNorm passes alone, CUDA tests (~540 s)
 #   bash scripts/device.sh vae8-19, then towers8-19   # issue 19's whole table in two calls on one warm machine
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
@@ -628,6 +630,11 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
             grep -h "^|\|^# ours compiled" "$OUT/vae-ours-compiled.log" ;;
+        gemm-19)  # issue 19, stop 53: each tower's GEMMs alone beside this GPU's best cuBLAS rate (what bounds the
+            # towers: their ceiling with cuBLAS), each tower's costliest GEMM and fc1 + its activation under
+            # max-autotune (a cold inductor cache). Limit 330 s
+            step gemm 330 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/gemm.py --autotune 1
+            grep -v "^ *$" "$OUT/gemm.log" | grep -v "Warning\|warn(" ;;
         startup-19)  # issue 19's warm start: seconds to SERVING with an empty --compile-cache and with the one that
             # start filled, for the VAE (and its first 1024² decode) and the LLM (Qwen2.5-7B shape, the most kernel
             # forms), then diffusers' VAE compiled (default mode) started the same two ways. Limits sum to 500 s
