@@ -59,8 +59,9 @@ def llm_slot_flags(max_num_seqs: int) -> list[str]:
             "--max-batch-tokens", str(max(LLMConfig.max_batch_tokens, max_num_seqs))]
 
 
-def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds per call: CUDA events on a GPU, the wall clock elsewhere."""
+def timer(fn, device: torch.device, warmup: int, iters: int, repeat: int = 1) -> float:
+    """Median milliseconds per call over `iters` timings of `repeat` calls back to back: CUDA events on a GPU,
+    the wall clock elsewhere."""
     import statistics
 
     import torch
@@ -72,14 +73,16 @@ def timer(fn, device: torch.device, warmup: int, iters: int) -> float:
         if device.type == "cuda":
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            fn()
+            for _ in range(repeat):
+                fn()
             end.record()
             end.synchronize()
-            times.append(begin.elapsed_time(end))
+            times.append(begin.elapsed_time(end) / repeat)
         else:
             start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
+            for _ in range(repeat):
+                fn()
+            times.append((time.perf_counter() - start) * 1e3 / repeat)
     return statistics.median(times)
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -38,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from bench import timer  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 aten = torch.ops.aten
@@ -144,27 +145,8 @@ class Tower:
 
 
 def median_ms(fn, device: torch.device, iters: int, repeat: int = 5) -> float:
-    """Median ms per call over `iters` timings of `repeat` back-to-back calls, after warm-up."""
-    import time
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(repeat):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / repeat)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / repeat)
-    return statistics.median(times)
+    """Median ms per call over `iters` timings of `repeat` back-to-back calls, after 3 warm-up calls."""
+    return timer(fn, device, 3, iters, repeat)
 
 
 def best_square_tflops(device: torch.device, dtype: torch.dtype, iters: int, quick: bool) -> tuple[float, str]:
