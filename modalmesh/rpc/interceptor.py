@@ -18,7 +18,7 @@ import time
 import grpc
 
 from modalmesh import tracing
-from modalmesh.errors import InvalidArgument, ModalmeshError, Unauthenticated, Unavailable, one_line
+from modalmesh.errors import InvalidArgument, ModalmeshError, Unauthenticated, one_line
 from modalmesh.metrics import Metrics
 from modalmesh.rpc.security import INSECURE, Security
 
@@ -68,8 +68,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self._security = security
         self.active = 0  # the services' own calls not yet ended (health and reflection not counted)
         self._idle: asyncio.Event | None = None
-        self._last_done = float("-inf")  # time.monotonic() when the last of those calls ended
-        self.refusing: str | None = None  # set by a drain: new calls end UNAVAILABLE with these words
         # method -> (the service's handler, ours around it): made once per method, not per call (making it
         # for every call was 7 % of an encoder's busy event loop under load on the H200)
         self._wrapped: dict[str, tuple[object, object]] = {}
@@ -81,16 +79,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             self._idle = self._idle or asyncio.Event()
             self._idle.clear()
             await self._idle.wait()
-
-    async def wait_quiet(self, linger: float) -> None:
-        """Until no call of the services' own is in flight and none has ended for `linger` seconds: the time a
-        client takes to read the tail of a reply that grpc has already handed to the connection."""
-        while True:
-            await self.wait_idle()
-            left = self._last_done + linger - time.monotonic()
-            if left <= 0:
-                return
-            await asyncio.sleep(left)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -137,7 +125,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             start = self._begin(rpc, context)
             entered = self._enter_request(rpc, context)
             try:
-                self._check_refusing()
                 self._check_caller(context)
                 _check_decoded(request, rpc)
                 result = behavior(request, context)
@@ -159,7 +146,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             start = self._begin(rpc, context)
             entered = self._enter_request(rpc, context)
             try:
-                self._check_refusing()
                 self._check_caller(context)
                 _check_decoded(request, rpc)
                 result = behavior(request, context)
@@ -206,10 +192,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         with contextlib.suppress(ValueError):
             tracing.request_id.reset(token)
 
-    def _check_refusing(self) -> None:
-        if self.refusing is not None:
-            raise Unavailable(self.refusing)
-
     def _check_caller(self, context) -> None:
         if self._security.token is not None and not self._security.authorized(context.invocation_metadata()):
             raise Unauthenticated("missing or wrong authorization token (authorization: Bearer <token>)")
@@ -243,7 +225,6 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def _call_done(self, context) -> None:
         self.active -= 1
-        self._last_done = time.monotonic()
         if not self.active and self._idle is not None:
             self._idle.set()
 

@@ -37,9 +37,6 @@ class ServerConfig:
     port: int = 50051
     max_message_bytes: int = 64 * MiB
     grace_seconds: float = 30.0
-    # After the drain's last call has ended, how long the connections stay open before the server stops:
-    # what a reply's last megabytes take to reach a client that grpc has already handed them to.
-    drain_linger_seconds: float = 0.5
     # Clients re-resolve DNS when a connection ages out (GOAWAY): new replicas get traffic. In-flight
     # calls are never cut by default — a Generate stream can run for many minutes — so the grace is
     # unlimited; 0 turns ageing off.
@@ -158,28 +155,25 @@ class GrpcServer:
             self.metrics.ready.set(1 if serving else 0)
 
     async def drain(self) -> None:
-        """NOT_SERVING, refuse new calls, finish in-flight calls within the grace period, stop."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.grace_seconds
+        """NOT_SERVING, refuse new calls, finish in-flight calls within the grace period."""
         await self.set_serving(False)
-        # New calls are refused here (UNAVAILABLE, which the project's channels retry on another replica)
-        # before anyone is woken, while health still answers NOT_SERVING. Not by grpc's stop(grace), as
-        # before: its GOAWAY makes each connection close as soon as its last stream has been written to
-        # the socket, while the client may still be reading a large reply; the client's next
-        # WINDOW_UPDATE then meets a closed socket, the reset discards what it had not read, and the call
-        # failed UNAVAILABLE "Connection reset by peer" (1 run in 25 of a 32 MiB reply on loopback).
-        self.interceptor.refusing = "the server is draining (shutting down); retry on another replica"
+        stopping = asyncio.ensure_future(self._server.stop(self.config.grace_seconds))
+        await asyncio.sleep(0)  # let stop() begin refusing new calls before waking anyone
         if self.draining is not None:
             self.draining.set()
-        # Wait for the services' own calls, and then for the tail of their replies to be read (`linger`).
-        # Health watches (a gateway's, a load balancer's) never finish by themselves: they are ended after.
-        try:
-            await asyncio.wait_for(self.interceptor.wait_quiet(self.config.drain_linger_seconds),
-                                   max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError:
-            pass  # the grace is spent: stop() below ends what is left
-        self.health.end_watches()
-        await self._server.stop(max(0.0, deadline - loop.time()))
+        # The grace is for the services' own calls: once they are done, end now. Health watches (a
+        # gateway's, a load balancer's) never finish by themselves and would hold every drain to the full
+        # grace period, so end them and let stop(grace) finish by itself. Not stop(0): a call is done for
+        # the interceptor once grpc has taken its last reply and status, which may still be in the
+        # connection's buffers (a 32 MiB reply is); stop(0) force-closes every connection and cut such
+        # replies off (UNAVAILABLE "Cancelling all calls", or a reset after the GOAWAY). stop(grace)
+        # closes each connection only after its last stream has been written out, and ends when all are.
+        idle = asyncio.ensure_future(self.interceptor.wait_idle())
+        await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            self.health.end_watches()
+        idle.cancel()
+        await stopping
 
     async def stop(self, grace: float | None = None) -> None:
         await self._server.stop(grace)
