@@ -632,8 +632,8 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -h "^|\|^# ours compiled" "$OUT/vae-ours-compiled.log" ;;
         gemm-19)  # issue 19, stop 53: each tower's GEMMs alone beside this GPU's best cuBLAS rate (what bounds the
             # towers: their ceiling with cuBLAS), each tower's costliest GEMM and fc1 + its activation under
-            # max-autotune (a cold inductor cache). Limit 330 s
-            step gemm 330 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/gemm.py --autotune 1
+            # max-autotune (a cold inductor cache: five compiles, a guess of 40-60 s each). Limit 400 s
+            step gemm 400 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/gemm.py --autotune 1
             grep -v "^ *$" "$OUT/gemm.log" | grep -v "Warning\|warn(" ;;
         startup-19)  # issue 19's warm start: seconds to SERVING with an empty --compile-cache and with the one that
             # start filled, for the VAE (and its first 1024² decode) and the LLM (Qwen2.5-7B shape, the most kernel
