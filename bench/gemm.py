@@ -6,8 +6,8 @@
 
 Each tower (built as bench/vision.py and bench/audio.py build ours: dummy weights, the service's fused kernels)
 runs its forward once under a TorchDispatchMode that records every matrix multiply it calls (aten linear, mm,
-addmm, _addmm_activation, bmm, baddbmm: the arguments' shapes, strides and dtypes, and the scalars). Each distinct call is
-then timed alone on fresh random tensors of the same layout (CUDA events, median of --iters, after warm-up) and
+addmm, _addmm_activation, bmm, baddbmm: the arguments' shapes, strides and dtypes, and the scalars). Each distinct
+call is then timed alone on fresh random tensors of the same layout (CUDA events, median of --iters, after warm-up) and
 counted as often as the forward made it. Printed per tower:
 
   per GEMM       M x N x K, calls per forward, ms per call, TFLOP/s, % of the best square rate, ms per forward;
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench import timer  # noqa: E402
+from bench import compile_peer, release_compiled, timer  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 aten = torch.ops.aten
@@ -202,19 +202,16 @@ def audio_tower(device, dtype, quick: bool, batch: int) -> Tower:
                  fc1_width=shape["encoder_ffn_dim"])
 
 
-def autotuned_ms(call: Call, device: torch.device, iters: int) -> tuple[float, float]:
-    """(ms per call, compile s) of `call` under torch.compile(mode="max-autotune-no-cudagraphs")."""
-    import time
-
-    args = [a.make(device) for a in call.args]
-    kwargs = dict(call.kwargs)
-    compiled = torch.compile(lambda *a: call.op(*a, **kwargs), mode="max-autotune-no-cudagraphs", dynamic=False)
-    t0 = time.perf_counter()
-    compiled(*args)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    compile_s = time.perf_counter() - t0
-    return median_ms(lambda: compiled(*args), device, iters), compile_s
+def autotuned(fn, args: list, device: torch.device, iters: int) -> tuple[str, str]:
+    """(ms per call, compile s) of `fn(*args)` under torch.compile max-autotune (`bench.compile_peer`: its first
+    call's seconds), printable; ("n/a", why) where inductor does not compile here."""
+    forward, compile_s, why = compile_peer(fn, lambda compiled: compiled(*args), "max-autotune-no-cudagraphs",
+                                           device)
+    if forward is None:
+        return "n/a", why[:40]
+    ms = median_ms(forward, device, iters)
+    release_compiled(device)
+    return f"{ms:.3f}", f"{compile_s:.1f}"
 
 
 def activations() -> dict:
@@ -233,8 +230,6 @@ def activations() -> dict:
 def epilogue_probe(tower: Tower, device: torch.device, iters: int) -> str | None:
     """fc1 + its activation as the tower runs them (two passes), against both under torch.compile max-autotune
     (inductor can fuse the activation into a Triton GEMM's epilogue)."""
-    import time
-
     family = next((f for f in activations() if tower.name.startswith(f)), None)
     fc1 = [c for c in tower.counts if c.name == "linear" and c.mnk[2] == tower.fc1_width]
     if family is None or not fc1:
@@ -243,19 +238,12 @@ def epilogue_probe(tower: Tower, device: torch.device, iters: int) -> str | None
     label, ours_act, plain_act = activations()[family]
     x, w, *bias = [a.make(device) for a in call.args]
     ours_ms = median_ms(lambda: ours_act(torch.nn.functional.linear(x, w, *bias)), device, iters)
-    compiled = torch.compile(lambda x, w, *b: plain_act(torch.nn.functional.linear(x, w, *b)),
-                             mode="max-autotune-no-cudagraphs", dynamic=False)
-    t0 = time.perf_counter()
-    compiled(x, w, *bias)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    compile_s = time.perf_counter() - t0
-    tuned_ms = median_ms(lambda: compiled(x, w, *bias), device, iters)
     plain_ms = median_ms(lambda: torch.nn.functional.linear(x, w, *bias), device, iters)
+    tuned_ms, compile_s = autotuned(lambda *a: plain_act(torch.nn.functional.linear(*a)), [x, w, *bias], device,
+                                    iters)
     calls = tower.counts[call]
     return (f"{tower.name}: fc1 {call.label()} + {label}, {calls} per forward: as ours runs it {ours_ms:.3f} ms "
-            f"(the GEMM alone {plain_ms:.3f}); under max-autotune {tuned_ms:.3f} ms (compile {compile_s:.1f} s): "
-            f"{calls * (ours_ms - tuned_ms):+.2f} ms per forward")
+            f"(the GEMM alone {plain_ms:.3f}); under max-autotune {tuned_ms} ms (compile {compile_s} s)")
 
 
 def main(argv=None) -> int:
@@ -311,8 +299,9 @@ def main(argv=None) -> int:
                     else "-"
                 tuned = ("-", "-")
                 if rank < args.autotune:
-                    tuned_ms, compile_s = autotuned_ms(call, device, args.iters)
-                    tuned = (f"{tuned_ms:.3f}", f"{compile_s:.1f}")
+                    kwargs = dict(call.kwargs)
+                    tuned = autotuned(lambda *a, op=call.op: op(*a, **kwargs), [a.make(device) for a in call.args],
+                                      device, args.iters)
                 print(f"{call.label():<34}{calls:>6}{ms:>9.3f}{tflops:>9.1f}{100 * tflops / best:>8.1f}"
                       f"{calls * ms:>8.2f}{pad:>14}{tuned[0]:>14}{tuned[1]:>10}")
             if args.autotune:

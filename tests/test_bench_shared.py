@@ -57,3 +57,37 @@ def test_profile_kernels_on_cpu():
     assert math.isclose(sum(r["families"].values()), r["busy_ms"], rel_tol=1e-6)
     assert {"GEMM", "elementwise"} <= set(r["families"])
     assert len(r["top"]) <= 5 and all(count > 0 for _, _, count in r["top"])
+
+
+def test_timer_times_repeat_calls_back_to_back():
+    from bench import timer
+
+    calls = []
+    ms = timer(lambda: calls.append(1), torch.device("cpu"), warmup=2, iters=3, repeat=4)
+    assert len(calls) == 2 + 3 * 4 and ms >= 0
+
+
+def test_gemm_recorder_counts_each_product_by_layout_with_its_shape():
+    # bench/gemm.py's accounting: what the towers' GEMM ceiling is computed from.
+    from bench.gemm import GemmRecorder
+
+    x, w, b = torch.randn(2, 5, 16), torch.randn(30, 16), torch.randn(30)
+    q = torch.randn(3, 4, 8)
+    with torch.inference_mode(), GemmRecorder() as recorder:
+        for _ in range(2):
+            torch.nn.functional.linear(x, w, b)  # seen whole under inference_mode: M = 2 * 5
+        torch._addmm_activation(b, x[0], w.t(), use_gelu=True)
+        torch.bmm(q, q.transpose(1, 2))
+    by_label = {call.label(): (call, n) for call, n in recorder.counts.items()}
+    assert sorted(by_label) == ["addmm+gelu 5x30x16", "bmm 3x4x4x8", "linear 10x30x16"]
+    linear, n = by_label["linear 10x30x16"]
+    assert n == 2 and linear.mnk == (1, 10, 30, 16) and linear.flop == 2 * 10 * 30 * 16
+    assert by_label["bmm 3x4x4x8"][0].flop == 2 * 3 * 4 * 4 * 8
+    # each recorded call runs again on fresh tensors of its layout, and pads N and K to 128 where they are not
+    assert linear.runner(torch.device("cpu"))().shape == (2, 5, 30)
+    padded = linear.padded()
+    assert padded.mnk == (1, 10, 128, 128) and padded.runner(torch.device("cpu"))().shape == (10, 128)
+    gelu = by_label["addmm+gelu 5x30x16"][0]
+    assert gelu.padded().label() == "addmm+gelu 5x128x128"
+    assert gelu.padded().runner(torch.device("cpu"))().shape == (5, 128)
+    assert by_label["bmm 3x4x4x8"][0].padded() is None
