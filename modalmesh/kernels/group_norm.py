@@ -121,7 +121,10 @@ def _kernels():
     def group_moments(Mean, M2, W, B, PreBias, Scale, Shift, S, C, G, cpg, chunk_s, chunks, total, eps,
                       HAS_PRE_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CG: tl.constexpr):
         # `total` (S * cpg, a float) comes from the host: Triton compiles an int argument equal to 1 as a
-        # constant, which has no `.to`, so a 1x1 latent (S == 1) failed to compile when it was cast here
+        # constant, which has no `.to`, so a 1x1 latent (S == 1) failed to compile when it was cast here.
+        # torch.compile launches a Triton kernel with its float arguments as float64 (Triton's own launcher as
+        # float32): cast, or a float64 mean changes the type of the second loop's accumulator, which does not compile
+        total, eps = total.to(tl.float32), eps.to(tl.float32)
         ng = tl.program_id(0)
         n, g = ng // G, ng % G
         chans = g * cpg + tl.arange(0, BLOCK_CG)

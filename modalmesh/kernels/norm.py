@@ -24,6 +24,7 @@ def _kernel():
     def add_rms_norm(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, stride_ro, n, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 elements in a large batch
+        eps = eps.to(tl.float32)  # float64 under torch.compile: the same float32 arithmetic as Triton's launch
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)

@@ -26,6 +26,8 @@ def _kernel():
     @triton.jit
     def scaled_softmax(X, Out, n, scale, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        # float64 under torch.compile (float32 from Triton's launch): a float64 `x` changed the loop's carried types
+        scale = scale.to(tl.float32)
         x_row, out_row = X + row * n, Out + row * n
         cols = tl.arange(0, BLOCK)
         # online max and sum per lane, merged at the end; a lane that has seen only padding (-inf) adds nothing
