@@ -186,11 +186,11 @@ def case_side(case: Case, quick: bool) -> int:
     return 56 if quick else case.image
 
 
-def build_ours(model_dir, device, dtype, fused_kernels: bool = True):
+def build_ours(model_dir, device, dtype, fused_kernels: bool = True, siglip_mlp_pad_to: int | None = None):
     """Our encoder on `model_dir` (dummy weights) as the bench times it: SigLIP returns HF's both outputs."""
     return build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
                                options={"siglip_output": "both", "preprocess_device": "cpu",
-                                        "fused_kernels": fused_kernels})
+                                        "fused_kernels": fused_kernels, "siglip_mlp_pad_to": siglip_mlp_pad_to})
 
 
 def tower_inputs(ours, case: Case, side: int, device, dtype):
@@ -213,7 +213,8 @@ def run_case(case: Case, args, device, dtype) -> dict:
     side = case_side(case, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(cfg, proc, Path(tmp))
-        ours = build_ours(tmp, device, dtype, fused_kernels=not args.no_fused_kernels)
+        ours = build_ours(tmp, device, dtype, fused_kernels=not args.no_fused_kernels,
+                          siglip_mlp_pad_to=args.siglip_mlp_pad_to)
         rates = preprocess_rates(tmp, ours, case, args, device, dtype, side)
     prepared, prep_ms, pixels, grids = tower_inputs(ours, case, side, device, dtype)
     native = grids is not None
@@ -286,6 +287,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="the towers without their fused kernels (add+norm, rotary, GELU / SiLU*up, the GELU "
                              "epilogue): the A/B")
+    parser.add_argument("--siglip-mlp-pad-to", type=int, default=None, metavar="N",
+                        help="SigLIP's MLP width rounded up to a multiple of N with zero weights (1: the "
+                             "checkpoint's own; default: the service's): the padding's A/B")
     parser.add_argument("--peer-compile", default="default", metavar="MODES",
                         help=PEER_COMPILE_HELP + " (the first --hf-attn model)")
     parser.add_argument("--profile", action="store_true",

@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from modalmesh.errors import ConfigError
 from modalmesh.layers import (
+    MLP,
     ColumnParallelLinear,
     LayerNorm,
     MergedColumnParallelLinear,
@@ -54,6 +55,40 @@ def test_row_parallel_partial_sums_add_up_to_the_full_output(tp):
         torch.testing.assert_close(layer.bias, b)  # whole on every rank
         partial += F.linear(x.chunk(tp, -1)[rank], layer.weight)
     torch.testing.assert_close(partial + b, F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_padded_mlp_shards_compute_the_checkpoints_mlp(tp):
+    # pad_to rounds each rank's width up with zero rows (fc1) and columns (fc2). The parameters hold NaN before
+    # loading, so padding the loader left unset would reach the output
+    torch.manual_seed(0)
+    w1, b1, w2, b2 = torch.randn(200, 8), torch.randn(200), torch.randn(8, 200), torch.randn(8)
+    x = torch.randn(5, 8)
+    ref = F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+    out = torch.zeros(5, 8)
+    for rank in range(tp):
+        mlp = MLP(8, 200, "gelu_pytorch_tanh", pad_to=128, tp_rank=rank, tp_size=tp)
+        assert mlp.fc1.weight.shape == (128 * (2 // tp), 8) and mlp.fc2.weight.shape == (8, 128 * (2 // tp))
+        for p in mlp.parameters():
+            p.data.fill_(float("nan"))
+        _load(mlp.fc1, weight=w1, bias=b1)
+        _load(mlp.fc2, weight=w2, bias=b2)
+        with torch.no_grad():
+            h = mlp.act(mlp.fc1(x))
+            out += F.linear(h, mlp.fc2.weight)  # this rank's partial sum (the all-reduce's input)
+    torch.testing.assert_close(out + b2, ref)
+
+
+def test_padding_is_refused_where_it_would_misplace_outputs():
+    with pytest.raises(ConfigError, match="a fused layer's outputs are split by size"):
+        MergedColumnParallelLinear(8, [100, 100], pad_to=128, tp_rank=0, tp_size=1)
+    with pytest.raises(ConfigError, match="gathered outputs"):
+        ColumnParallelLinear(8, 100, gather_output=True, pad_to=128, tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigError, match="input_is_parallel"):
+        RowParallelLinear(100, 8, input_is_parallel=False, pad_to=128, tp_rank=0, tp_size=2)
+    with pytest.raises(ConfigError, match="pad_to = 0 should be a positive integer"):
+        ColumnParallelLinear(8, 100, pad_to=0, tp_rank=0, tp_size=1)
+    assert ColumnParallelLinear(8, 128, pad_to=128, tp_rank=0, tp_size=1).weight.shape == (128, 8)  # a multiple
 
 
 def test_row_parallel_slices_a_replicated_input():

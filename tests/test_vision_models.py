@@ -191,16 +191,20 @@ def test_siglip_image_size_not_a_multiple_of_the_patch(tmp_path):
     ref = SiglipVisionModel(config).eval()
     ref.save_pretrained(tmp_path)
     SiglipImageProcessorPil(size={"height": 38, "width": 38}).save_pretrained(tmp_path)
-    model = build_encoder_model(tmp_path, device="cpu", dtype=torch.float32, options={"siglip_output": "both"})
     images = _images([(38, 38), (64, 30)], seed=4)
     pv = SiglipImageProcessorPil.from_pretrained(tmp_path)(images=images, return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         out = ref(pixel_values=pv)
     want = torch.cat((out.last_hidden_state, out.pooler_output[:, None]), 1)
-    got = model.encode([model.prepare(_item(im), i) for i, im in enumerate(images)])
-    assert got[0].embedding.shape == (17, 32)
-    for g, w in zip(got, want):
-        assert (g.embedding - w).abs().max().item() <= TOL
+    # the encoder MLPs' 64 wide as the checkpoint has them, and padded to 128 with zero weights (the default)
+    for pad_to, width in ((1, 64), (None, 128)):
+        model = build_encoder_model(tmp_path, device="cpu", dtype=torch.float32,
+                                    options={"siglip_output": "both", "siglip_mlp_pad_to": pad_to})
+        assert model.tower.encoder.layers[0].mlp.fc1.weight.shape == (width, 32)
+        got = model.encode([model.prepare(_item(im), i) for i, im in enumerate(images)])
+        assert got[0].embedding.shape == (17, 32)
+        for g, w in zip(got, want):
+            assert (g.embedding - w).abs().max().item() <= TOL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -37,6 +37,13 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def padded(size: int, pad_to: int, what: str) -> int:
+    """`size` rounded up to a multiple of `pad_to` (a layer's width that its GEMM runs faster at)."""
+    if not isinstance(pad_to, int) or pad_to < 1:
+        raise ConfigError(f"{what}: pad_to = {pad_to!r} should be a positive integer")
+    return -(-size // pad_to) * pad_to
+
+
 class LinearBase(nn.Module):
     def __init__(
         self,
@@ -94,13 +101,24 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split over ranks; `gather_output` re-assembles them (all-gather)."""
+    """Output features split over ranks; `gather_output` re-assembles them (all-gather).
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, *, gather_output: bool = False, **kw):
+    `pad_to`: each rank's rows rounded up to a multiple of it, the rows past the checkpoint's held at zero (their
+    outputs are the bias's zero): cuBLAS runs some widths much slower than the next multiple of 128 (SigLIP's
+    4,304-wide fc1 at 583 TFLOP/s, 4,352 at 647 on an H100, `bench/gemm.py`). The layer reading these outputs
+    (a RowParallelLinear with the same `pad_to`) holds zero columns for them.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, *, gather_output: bool = False,
+                 pad_to: int = 1, **kw):
         super().__init__(input_size, output_size, bias=bias, **kw)
         self.gather_output = gather_output
         self.output_size_per_rank = divide(output_size, self.tp_size, "output size")
-        self._make_params(self.output_size_per_rank, input_size, bias, self._shard_ids())
+        self.rows_per_rank = padded(self.output_size_per_rank, pad_to, "column-parallel layer")
+        if self.rows_per_rank != self.output_size_per_rank and (self._shard_ids() or gather_output):
+            raise ConfigError("pad_to pads a plain column-parallel layer: a fused layer's outputs are split by "
+                              "size and gathered outputs by rank")
+        self._make_params(self.rows_per_rank, input_size, bias, self._shard_ids())
 
     def _shard_ids(self) -> tuple:
         return ()
@@ -116,6 +134,8 @@ class ColumnParallelLinear(LinearBase):
         n = self.output_size_per_rank
         self._load_rows(param, loaded, dst_start=0, src_full=self.output_size, src_start=self.tp_rank * n,
                         size=n, what="column-parallel")
+        with torch.no_grad():
+            param[n:].zero_()  # the padding (`pad_to`), whatever the parameter held before loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)
@@ -237,23 +257,30 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial products are summed with one all-reduce.
 
-    The bias is added once, after the reduction, so it is not counted tp_size times.
+    The bias is added once, after the reduction, so it is not counted tp_size times. `pad_to`: each rank's
+    columns rounded up to a multiple of it, held at zero; the input is the padded output of a
+    ColumnParallelLinear with the same `pad_to`.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, *,
-                 input_is_parallel: bool = True, reduce_results: bool = True, **kw):
+                 input_is_parallel: bool = True, reduce_results: bool = True, pad_to: int = 1, **kw):
         super().__init__(input_size, output_size, bias=bias, **kw)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_rank = divide(input_size, self.tp_size, "input size")
-        self._make_params(output_size, self.input_size_per_rank, bias)
+        self.columns_per_rank = padded(self.input_size_per_rank, pad_to, "row-parallel layer")
+        if self.columns_per_rank != self.input_size_per_rank and not input_is_parallel:
+            raise ConfigError("pad_to needs input_is_parallel: a whole input has no padding to read")
+        self._make_params(output_size, self.columns_per_rank, bias)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is not None or param.dim() == 1:  # the bias is whole on every rank
             default_weight_loader(param, loaded, shard_id)
             return
         n = self.input_size_per_rank
-        copy_into(param, narrow_checked(loaded, 1, self.input_size, self.tp_rank * n, n, "row-parallel", param))
+        copy_into(param[:, :n], narrow_checked(loaded, 1, self.input_size, self.tp_rank * n, n, "row-parallel", param))
+        with torch.no_grad():
+            param[:, n:].zero_()  # the padding (`pad_to`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

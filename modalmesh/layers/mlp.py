@@ -82,12 +82,15 @@ def epilogue_fusable(layer: ColumnParallelLinear, x: torch.Tensor) -> bool:
 
 
 class MLP(nn.Module):
+    """`pad_to`: the intermediate width rounded up to a multiple of it with zero weights (`ColumnParallelLinear`):
+    every activation here maps 0 to 0, so the padded block computes what the checkpoint's does."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "gelu", bias: bool = True, *,
-                 names: tuple[str, str] = ("fc1", "fc2"), fused: bool = False, **tp):
+                 names: tuple[str, str] = ("fc1", "fc2"), fused: bool = False, pad_to: int = 1, **tp):
         super().__init__()
         self._names = names
-        setattr(self, names[0], ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, **tp))
-        setattr(self, names[1], RowParallelLinear(intermediate_size, hidden_size, bias=bias, **tp))
+        setattr(self, names[0], ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, pad_to=pad_to, **tp))
+        setattr(self, names[1], RowParallelLinear(intermediate_size, hidden_size, bias=bias, pad_to=pad_to, **tp))
         self.act = get_activation(hidden_act)
         self.fused = fused
 

@@ -58,7 +58,7 @@ from services.vision_encoder.decode_memory import (
     DecodeBudget,
     peak_bytes,
 )
-from services.vision_encoder.models import ARCHITECTURES, SiglipVisionTower
+from services.vision_encoder.models import ARCHITECTURES, SiglipVisionTower, siglip
 
 from services.encoder.model import EncodedItem, EncoderModel, PreparedItem
 
@@ -75,6 +75,7 @@ DEFAULT_OPTIONS = {
     "cuda_graphs": True,  # SigLIP on CUDA: the tower replayed per batch bucket (modalmesh/batch_graphs.py)
     "fused_kernels": True,  # on CUDA: add + LayerNorm / RMSNorm, rotary, SiLU*up, quick GELU as Triton kernels,
     # SigLIP's tanh GELU in its GEMM's epilogue
+    "siglip_mlp_pad_to": siglip.MLP_PAD_TO,  # SigLIP's MLP width rounded up with zero weights (1: as the checkpoint)
     # The batcher's limits: graphs are captured for the batch sizes it can form, no larger.
     "max_batch_items": encoder_flags.MAX_BATCH_ITEMS,
     "max_batch_tokens": vision_flags.MAX_BATCH_TOKENS,
@@ -113,7 +114,7 @@ class VisionEncoderModel(EncoderModel):
         self.architecture = cfg.architectures[0] if cfg.architectures else cfg.model_type
         kwargs = {"fused_kernels": bool(self.options["fused_kernels"])}
         if cls is SiglipVisionTower:
-            kwargs["output"] = self.options["siglip_output"]
+            kwargs.update(output=self.options["siglip_output"], mlp_pad_to=int(self.options["siglip_mlp_pad_to"]))
         self.tower, self.load_report = build_and_load(cls, cfg, model_dir, device=self.device, dtype=dtype,
                                                       dummy=dummy, metrics=metrics, **kwargs)
         self.native = cls.processor_kind == "qwen2_vl"

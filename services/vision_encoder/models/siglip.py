@@ -26,6 +26,9 @@ from modalmesh.weights.param import default_weight_loader, set_weight_loader
 from services.vision_encoder.models.common import ATTENTION_NAMES, PatchEmbed
 
 COMPONENT = "vision_encoder"
+# The encoder MLPs' width rounded up to a multiple of this, with zero weights (the same result): so400m's 4,304 as
+# 4,352, whose fc1 + GELU and fc2 ran at 583 and 679 TFLOP/s on an H100, padded at 647 and 724 (`bench/gemm.py`)
+MLP_PAD_TO = 128
 from services.vision_encoder.flags import SIGLIP_OUTPUTS as OUTPUTS  # noqa: E402 - --siglip-output's choices
 
 
@@ -53,13 +56,15 @@ class SiglipAttention(nn.Module):
 
 
 class SiglipEncoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False,
+                 mlp_pad_to: int = MLP_PAD_TO):
         super().__init__()
         dim = cfg.hidden_size
         self.layer_norm1 = LayerNorm(dim, cfg.norm_eps, fused=fused)
         self.self_attn = SiglipAttention(dim, cfg.num_heads, dtype=dtype, seqlen_hint=seqlen_hint)
         self.layer_norm2 = LayerNorm(dim, cfg.norm_eps, fused=fused)
-        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True, fused=fused)
+        self.mlp = MLP(dim, cfg.intermediate_size, cfg.hidden_act or "gelu_pytorch_tanh", bias=True, fused=fused,
+                       pad_to=mlp_pad_to)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(last sub-layer's output, residual stream) -> (this MLP's output, stream): `residual_norm`."""
@@ -69,10 +74,11 @@ class SiglipEncoderLayer(nn.Module):
 
 
 class SiglipEncoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype=None, seqlen_hint=None, fused: bool = False,
+                 mlp_pad_to: int = MLP_PAD_TO):
         super().__init__()
-        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg, dtype=dtype, seqlen_hint=seqlen_hint, fused=fused)
-                                     for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([SiglipEncoderLayer(cfg, dtype=dtype, seqlen_hint=seqlen_hint, fused=fused,
+                                                        mlp_pad_to=mlp_pad_to) for _ in range(cfg.num_layers)])
 
     def forward(self, x: torch.Tensor, final_norm: LayerNorm) -> torch.Tensor:
         """final_norm(the last layer's residual stream): the stream's last add rides that norm."""
@@ -138,7 +144,7 @@ class SiglipVisionTower(nn.Module, CheckpointModel):
     stacked_params = QKV_GATE_UP
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype | None = None, output: str = "patch",
-                 fused_kernels: bool = True):
+                 fused_kernels: bool = True, mlp_pad_to: int = MLP_PAD_TO):
         super().__init__()
         if output not in OUTPUTS:
             raise ConfigError(f"SigLIP output {output!r}: expected one of {', '.join(OUTPUTS)}")
@@ -152,7 +158,8 @@ class SiglipVisionTower(nn.Module, CheckpointModel):
         self.num_patches = (self.image_size // self.patch_size) ** 2
         self.hidden_size = self.out_hidden_size = cfg.hidden_size
         self.embeddings = SiglipEmbeddings(cfg, self.in_channels, self.patch_size, self.num_patches)
-        self.encoder = SiglipEncoder(cfg, dtype=dtype, seqlen_hint=self.num_patches, fused=fused_kernels)
+        self.encoder = SiglipEncoder(cfg, dtype=dtype, seqlen_hint=self.num_patches, fused=fused_kernels,
+                                     mlp_pad_to=mlp_pad_to)
         self.post_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_eps, fused=fused_kernels)
         has_head = bool(cfg.get("vision_use_head", True))
         if output != "patch" and not has_head:
