@@ -26,10 +26,10 @@ from modalmesh.weights.param import default_weight_loader, set_weight_loader
 from services.vision_encoder.models.common import ATTENTION_NAMES, PatchEmbed
 
 COMPONENT = "vision_encoder"
+from services.vision_encoder.flags import SIGLIP_OUTPUTS as OUTPUTS  # noqa: E402 - --siglip-output's choices
 # The encoder MLPs' width rounded up to a multiple of this, with zero weights (the same result): so400m's 4,304 as
 # 4,352, whose fc1 + GELU and fc2 ran at 583 and 679 TFLOP/s on an H100, padded at 647 and 724 (`bench/gemm.py`)
 MLP_PAD_TO = 128
-from services.vision_encoder.flags import SIGLIP_OUTPUTS as OUTPUTS  # noqa: E402 - --siglip-output's choices
 
 
 class SiglipAttention(nn.Module):
