@@ -67,6 +67,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         self._security = security
         self.active = 0  # the services' own calls not yet ended (health and reflection not counted)
+        self.last_end: float | None = None  # time.monotonic() when the last of them ended
         self._idle: asyncio.Event | None = None
         # method -> (the service's handler, ours around it): made once per method, not per call (making it
         # for every call was 7 % of an encoder's busy event loop under load on the H200)
@@ -79,6 +80,17 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             self._idle = self._idle or asyncio.Event()
             self._idle.clear()
             await self._idle.wait()
+
+    async def wait_quiet(self, quiet: float, since: float) -> None:
+        """Until no call of the services' own is in flight and none has ended for `quiet` seconds, counted
+        from `since` (a time.monotonic()) at the earliest: a client that sends its next call on each reply
+        has had `quiet` to send it (GrpcServer.drain says why that matters)."""
+        while True:
+            await self.wait_idle()
+            remaining = max(since, self.last_end or since) + quiet - time.monotonic()
+            if remaining <= 0 and not self.active:
+                return
+            await asyncio.sleep(max(remaining, 0.0))
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -225,6 +237,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 
     def _call_done(self, context) -> None:
         self.active -= 1
+        self.last_end = time.monotonic()
         if not self.active and self._idle is not None:
             self._idle.set()
 

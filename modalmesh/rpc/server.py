@@ -3,9 +3,10 @@
 `GrpcServer` wraps grpc.aio with health (NOT_SERVING until the service says it is
 ready), reflection, message limits, keepalive, a max connection age (so
 round_robin clients re-resolve and find new replicas), the status interceptor,
-and a graceful drain: health NOT_SERVING, refuse new calls, let in-flight calls
-finish within a grace period, stop. `serve_until_signal` runs that life cycle
-around a service's own start-up and shutdown on SIGTERM / SIGINT.
+and a graceful drain: health NOT_SERVING, the calls in flight end, then grpc's
+GOAWAY refuses new calls, stop within a grace period (`GrpcServer.drain` says why
+in that order). `serve_until_signal` runs that life cycle around a service's own
+start-up and shutdown on SIGTERM / SIGINT.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -46,6 +48,10 @@ class ServerConfig:
     keepalive_timeout_ms: int = 10_000
     reflection: bool = True
     security: Security = INSECURE  # TLS and the shared token
+    # The drain's first phase (GrpcServer.drain): grpc's GOAWAY waits until no call is in flight and none
+    # has ended for drain_quiet_seconds, for at most drain_leave_seconds (never more than half the grace).
+    drain_quiet_seconds: float = 0.5
+    drain_leave_seconds: float = 5.0
 
     def options(self) -> list[tuple[str, int]]:
         ageing = [("grpc.max_connection_age_ms", self.max_connection_age_ms),
@@ -155,19 +161,52 @@ class GrpcServer:
             self.metrics.ready.set(1 if serving else 0)
 
     async def drain(self) -> None:
-        """NOT_SERVING, refuse new calls, finish in-flight calls within the grace period."""
+        """NOT_SERVING; the calls in flight end before grpc's GOAWAY; then new calls are refused; stop.
+
+        Why this order. grpc's stop(grace) sends a GOAWAY (GOAWAY, a PING, the final GOAWAY on its ack)
+        and then closes each connection as soon as its last stream has been written to the socket. A
+        call whose reply was written after that final GOAWAY (a 32 MiB Encode reply, say) could be cut
+        off: the client, still reading the reply's tail from its socket, sends WINDOW_UPDATEs to a closed
+        socket, the server's kernel answers with a reset and the client's kernel drops the unread tail
+        (UNAVAILABLE on a call the server finished; test_a_call_answered_during_the_drain_reaches_its_
+        client_whole). Here the GOAWAY comes only once the calls in flight have ended, i.e. once grpc has
+        written their last reply and status to the socket (the interceptor's count, see
+        StatusInterceptor._begin): the GOAWAY's PING then follows every reply byte on the connection, and
+        grpc closes only after the client's PING ack, which the client sends after it has read all of
+        them (and its WINDOW_UPDATEs for them).
+
+        While the calls in flight finish (at most `drain_leave_seconds`), the server still takes new
+        calls and serves them — none is refused, so a non-idempotent one (Generate) is never failed for
+        the drain: clients that follow health (channel.aio_channel(health_check=True)) stop sending here
+        the moment health says NOT_SERVING; the others are served until the GOAWAY, after which grpc
+        refuses new streams at the transport level and clients retry them on another connection or
+        replica by themselves. (An earlier fix refused calls in the interceptor before the GOAWAY: round
+        robin clients kept sending to the draining replica and their non-idempotent calls failed.) A
+        call still in flight when that phase ends finishes after the GOAWAY, as every call did before.
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         await self.set_serving(False)
-        stopping = asyncio.ensure_future(self._server.stop(self.config.grace_seconds))
-        await asyncio.sleep(0)  # let stop() begin refusing new calls before waking anyone
         if self.draining is not None:
-            self.draining.set()
+            self.draining.set()  # services end what they were holding (their replies go out before the GOAWAY)
+        # Quiet: no call in flight and none ended for drain_quiet_seconds, counted from now at the earliest.
+        # Not the moment the last call ends: a client that sends its next call on each reply would send it
+        # as the GOAWAY goes out, and grpc cancels a call that reaches a server whose stop has begun
+        # (CANCELLED, not retried: grpc/grpc#41785). Clients that follow health have stopped by then.
+        leave = min(self.config.drain_leave_seconds, self.config.grace_seconds / 2)
+        if leave > 0:
+            try:
+                await asyncio.wait_for(
+                    self.interceptor.wait_quiet(self.config.drain_quiet_seconds, time.monotonic()), leave)
+            except asyncio.TimeoutError:
+                log.info("calls still coming after %.1fs (%d in flight): refusing new calls now",
+                         leave, self.interceptor.active)
+        grace = max(0.0, self.config.grace_seconds - (loop.time() - began))
+        stopping = asyncio.ensure_future(self._server.stop(grace))
         # The grace is for the services' own calls: once they are done, end now. Health watches (a
         # gateway's, a load balancer's) never finish by themselves and would hold every drain to the full
-        # grace period, so end them and let stop(grace) finish by itself. Not stop(0): a call is done for
-        # the interceptor once grpc has taken its last reply and status, which may still be in the
-        # connection's buffers (a 32 MiB reply is); stop(0) force-closes every connection and cut such
-        # replies off (UNAVAILABLE "Cancelling all calls", or a reset after the GOAWAY). stop(grace)
-        # closes each connection only after its last stream has been written out, and ends when all are.
+        # grace period, so end them and let stop(grace) finish by itself. Not stop(0): that force-closes
+        # every connection, replies still in its buffers included (UNAVAILABLE "Cancelling all calls").
         idle = asyncio.ensure_future(self.interceptor.wait_idle())
         await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
