@@ -158,11 +158,13 @@ def preprocess_rates(model_dir, exact, case: Case, args, device, dtype, side: in
     and its device transforms."""
     items = jpeg_items(case.batch, side)
     on_device = build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
-                                    options={"preprocess_device": "device", "image_decode": "pil"})
+                                    options={"preprocess_device": "device", "image_decode": "pil",
+                                             "siglip_mlp_pad_to": args.siglip_mlp_pad_to})
     rates = {**_path_rates(exact, "cpu", items, args, device), **_path_rates(on_device, "dev", items, args, device)}
     try:
         nvjpeg = build_encoder_model(model_dir, device=device, dtype=dtype, dummy=True,
-                                     options={"preprocess_device": "device", "image_decode": "nvimgcodec"})
+                                     options={"preprocess_device": "device", "image_decode": "nvimgcodec",
+                                              "siglip_mlp_pad_to": args.siglip_mlp_pad_to})
     except ConfigError as e:  # no CUDA, or nvImageCodec not installed
         print(f"# nvjpeg columns: n/a ({e})", file=sys.stderr)
         return {**rates, "nvjpeg_prep": "n/a", "nvjpeg_xform": "n/a", "nvjpeg_e2e": "n/a"}
@@ -309,7 +311,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# vision towers on {gpu}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
           f"median of {args.iters}{' (quick shapes)' if args.quick else ''}, the towers' fused kernels "
-          f"{'off' if args.no_fused_kernels else 'on (on CUDA)'}")
+          f"{'off' if args.no_fused_kernels else 'on (on CUDA)'}, SigLIP's MLP padded to a multiple of "
+          f"{args.siglip_mlp_pad_to or 'the default'}")
     if args.compile_modes:
         print(f"# HF {args.hf_attn[0]} under torch.compile, modes {', '.join(args.compile_modes)} (x HFc: ours' "
               f"speedup over it); inductor cache {inductor_cache_state()}")

@@ -44,7 +44,7 @@
 #       GPU's best cuBLAS rate, max-autotune on the costliest; our VAE decoder under torch.compile
 #   bash scripts/device.sh vae7-19               # issue 19: VAE graphs, the GroupNorm passes alone, CUDA tests (~540 s)
 #   bash scripts/device.sh vae8-19, then towers8-19   # issue 19's whole table in two calls on one warm machine
-#   bash scripts/device.sh final-19, then vae-final-19   # issue 19's table after stop 54's changes, two calls
+#   bash scripts/device.sh stop54-19, then stop54-vae-19   # issue 19's table after stop 54's changes, two calls
 #   bash scripts/device.sh where-18              # issue 18: the transfer split by stage; image+text set-up, profiled
 #   bash scripts/device.sh ab-18 transfer        # issue 18: forms compiled before serving; image+text A/B (.prev)
 #   bash scripts/device.sh table3-17             # issue 17's table with the embeddings layout (LLM alone) beside shared
@@ -627,11 +627,11 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log"
             grep -h "^|\|^# largest" "$OUT/vae-eager-tiled.log" ;;
-        final-19)  # issue 19, stop 54, call 1 of 2 (one H100 or H200): the kernels' float casts and SigLIP's padded MLP
+        stop54-19)  # issue 19, stop 54, call 1 of 2 (one H100 or H200): the kernels' float casts and SigLIP's padded MLP
             # on CUDA, SigLIP padded against not, our VAE compiled, then the towers beside HF eager and compiled.
             # Limits sum to 650 s: what matters most comes first
             step cuda-19 60 python3 -m pytest -q -p no:cacheprovider tests/test_vision_models.py \
-                tests/test_kernels.py -k "bf16_cuda_parity or softmax or group_norm or layer_norm or rms"
+                tests/test_kernels.py -k "bf16_cuda_parity or scaled_softmax or group_norm"
             step siglip-unpadded 60 python3 bench/vision.py --only siglip-b32 --no-hf --siglip-mlp-pad-to 1
             step siglip-padded 60 python3 bench/vision.py --only siglip-b32 --no-hf
             step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
@@ -641,7 +641,7 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tower_tables
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log" ;;
-        vae-final-19)  # issue 19, stop 54, call 2 of 2 (the warm machine after final-19): the VAE rows beside diffusers
+        stop54-vae-19)  # issue 19, stop 54, call 2 of 2 (the warm machine after stop54-19): the VAE rows beside diffusers
             # eager and compiled (a cold inductor cache), graphed, tiled 4096^2; the VAE service's start. Limits 340 s
             step vae-table 250 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
                 --largest-sides 4096 --largest-channels-last --peer-channels-last --warmup 2 --iters 5 --no-unfused
