@@ -641,6 +641,17 @@ p = registry.probe("fa3"); print("fa3:", "loaded from " + p.backend.module_name 
             tower_tables
             grep -h -E "^(# HF|# vision|case|siglip|qwen)" "$OUT/vision-table.log"
             grep -h -E "^(attention|HF under|parity|batch| +[0-9]+ )" "$OUT/audio-table.log" ;;
+        pad-ab-19)  # issue 19, stop 54, what little device time is left: SigLIP padded against not, twice each, its
+            # bf16 CUDA parity with HF, our VAE compiled. Limits sum to 385 s, the most needed first
+            step siglip-unpadded 50 python3 bench/vision.py --only siglip-b32 --no-hf --siglip-mlp-pad-to 1
+            step siglip-padded 50 python3 bench/vision.py --only siglip-b32 --no-hf
+            step cuda-pad 45 python3 -m pytest -q -p no:cacheprovider tests/test_vision_models.py -k "bf16_cuda_parity"
+            step siglip-unpadded2 45 python3 bench/vision.py --only siglip-b32 --no-hf --siglip-mlp-pad-to 1
+            step siglip-padded2 45 python3 bench/vision.py --only siglip-b32 --no-hf
+            step vae-ours-compiled 150 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
+                --dtypes bfloat16 --largest '' --peer-compile none --no-unfused --ours-compile default --warmup 2 --iters 10
+            grep -h -E "^(# vision|case|siglip)" "$OUT"/siglip-{unpadded,padded,unpadded2,padded2}.log
+            grep -h "^|\|^# ours compiled" "$OUT/vae-ours-compiled.log" ;;
         stop54-vae-19)  # issue 19, stop 54, call 2 of 2 (the warm machine after stop54-19): the VAE rows beside diffusers
             # eager and compiled (a cold inductor cache), graphed, tiled 4096^2; the VAE service's start. Limits 340 s
             step vae-table 250 env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" python3 bench/vae.py --sizes 1024 \
