@@ -294,6 +294,8 @@ def test_a_call_made_during_the_drain_before_its_goaway_is_served_not_refused():
 
 
 def test_calls_that_never_stop_coming_delay_the_goaway_by_drain_leave_seconds_at_most():
+    # A call answered with one reply in flight as the drain begins makes the GOAWAY wait for quiet; calls
+    # that keep coming (every 50 ms) never give it, so the GOAWAY comes after drain_leave_seconds
     import asyncio
     import time as clock
 
@@ -317,9 +319,11 @@ def test_calls_that_never_stop_coming_delay_the_goaway_by_drain_leave_seconds_at
                         await asyncio.sleep(0.05)
 
                 client = asyncio.ensure_future(steady())
-                await asyncio.sleep(0.2)
+                held = asyncio.ensure_future(stub.Encode(pb.EncodeRequest(), timeout=30))
+                await asyncio.sleep(0.2)  # the held Encode in flight as the drain begins: it waits for quiet
                 began = clock.monotonic()
                 await asyncio.wait_for(server.drain(), 20)
+                await held
                 took = clock.monotonic() - began
                 drained.set()
                 await asyncio.wait_for(client, 10)
@@ -327,5 +331,47 @@ def test_calls_that_never_stop_coming_delay_the_goaway_by_drain_leave_seconds_at
             await server.stop(0)
         assert 1.4 <= took < 5, took  # the GOAWAY after drain_leave_seconds, then the calls in flight end
         assert served_while_draining >= 5  # served, not refused, until the GOAWAY
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_with_only_streams_in_flight_the_goaway_goes_out_at_once():
+    # A stream of replies (an LLM's Generate, minutes long) does not hold the GOAWAY: new calls are refused
+    # from the drain's start and go to another replica, and the stream goes on to its end. When streams held
+    # it, new calls were served for drain_leave_seconds and then cut at the grace's end.
+    import asyncio
+
+    from modalmesh.rpc.server import GrpcServer, ServerConfig
+
+    class Streaming(pb.llm_pb2_grpc.LLMServiceServicer):
+        def __init__(self):
+            self.release = asyncio.Event()
+
+        async def Generate(self, request, context):
+            yield pb.GenerateResponse(token_ids=[1])
+            await self.release.wait()
+            yield pb.GenerateResponse(token_ids=[2])
+
+    async def body():
+        servicer = Streaming()
+        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, grace_seconds=20, drain_quiet_seconds=5.0))
+        server.add_service(pb.LLM_SERVICE, pb.llm_pb2_grpc.add_LLMServiceServicer_to_server, servicer)
+        await server.start()
+        await server.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = pb.llm_pb2_grpc.LLMServiceStub(channel)
+                stream = stub.Generate(pb.GenerateRequest(), timeout=30)
+                assert list((await stream.read()).token_ids) == [1]
+                draining = asyncio.ensure_future(server.drain())
+                await asyncio.sleep(0.5)  # well short of the 5 s quiet a one-reply call would have waited for
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(pb.GenerateRequest(), timeout=10).read()
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                servicer.release.set()
+                assert list((await stream.read()).token_ids) == [2]  # the stream in flight goes on
+                await asyncio.wait_for(draining, 10)
+        finally:
+            await server.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 60))

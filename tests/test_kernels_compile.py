@@ -2,7 +2,8 @@
 
 Inductor launches a user's Triton kernel with its float scalars typed float64; Triton's own launcher types them
 float32. `group_moments` (the VAE's GroupNorm) did not compile that way, so our decoder under torch.compile failed
-on the GPU (stop 54, `bench/vae.py --ours-compile default`). Triton's compiler needs no GPU: each kernel is
+on the GPU (stop 54, `bench/vae.py --ours-compile default`); nor did scaled_softmax and the two paged-attention
+kernels. Every kernel of ours with a float scalar is listed here (`grep -n "@triton.jit"`). Triton's compiler needs no GPU: each kernel is
 compiled here to a Hopper cubin with its float scalars as each launcher types them.
 """
 
@@ -12,7 +13,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from modalmesh.kernels import group_norm, layer_norm, norm, softmax  # noqa: E402
+from modalmesh.attention.backends import triton_paged  # noqa: E402
+from modalmesh.kernels import _paged_prefill_triton, group_norm, layer_norm, norm, softmax  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ROW_NORM = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
@@ -32,6 +34,19 @@ KERNELS = {
     "scaled_softmax": (softmax._kernel, {"X": "*bf16", "Out": "*bf16", "n": "i32", "scale": "FLOAT"},
                        {"BLOCK": 1024}),
 }
+ATTENTION_STRIDES = {f"stride_{n}": "i32" for n in ("qt", "qh", "kp", "ks", "kh", "vp", "vs", "vh", "ot", "oh", "bt")}
+ATTENTION_SHAPE = {"D": 64, "D_PAD": 64, "DV": 64, "DV_PAD": 64, "PAGE": 16, "BLOCK_N": 32, "WINDOW_LEFT": -1,
+                   "IEEE": False}
+KERNELS["paged_decode"] = (
+    lambda: triton_paged._kernel()[0],
+    {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "PartM": "*fp32", "PartL": "*fp32",
+     "BlockTable": "*i32", "ContextLens": "*i32", "TokenSeq": "*i32", "scale": "FLOAT", **ATTENTION_STRIDES},
+    {"GROUP": 4, "GROUP_PAD": 16, **ATTENTION_SHAPE, "PER_TOKEN": False, "SPLITS": 1})
+KERNELS["paged_prefill"] = (
+    lambda: _paged_prefill_triton.paged_prefill,
+    {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "BlockTable": "*i32", "Blocks": "*i32",
+     "qk_scale": "FLOAT", **ATTENTION_STRIDES},
+    {"GROUP": 4, "BLOCK_M": 64, **ATTENTION_SHAPE})
 
 
 @pytest.mark.parametrize("float_type", ["fp32", "fp64"], ids=["triton-launch", "torch-compile"])

@@ -59,6 +59,7 @@ def paged_prefill(
 ):
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
+    qk_scale = qk_scale.to(tl.float32)  # float64 under torch.compile: the softmax's loop-carried state stays float32
     seq = tl.load(Blocks + blk * 4)  # block-table row
     first = tl.load(Blocks + blk * 4 + 1).to(tl.int64)  # the block's first token's row in q and out
     tokens = tl.load(Blocks + blk * 4 + 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -67,8 +68,12 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         self._security = security
         self.active = 0  # the services' own calls not yet ended (health and reflection not counted)
-        self.last_end: float | None = None  # time.monotonic() when the last of them ended
+        # Of them, the calls answered with one reply (unary and client-streaming), and when the last ended
+        # (time.monotonic()): what the drain's GOAWAY waits for (GrpcServer.drain)
+        self.replying = 0
+        self.last_reply_end: float | None = None
         self._idle: asyncio.Event | None = None
+        self._replies_idle: asyncio.Event | None = None
         # method -> (the service's handler, ours around it): made once per method, not per call (making it
         # for every call was 7 % of an encoder's busy event loop under load on the H200)
         self._wrapped: dict[str, tuple[object, object]] = {}
@@ -82,15 +87,18 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             await self._idle.wait()
 
     async def wait_quiet(self, quiet: float, since: float) -> None:
-        """Until no call of the services' own is in flight and none has ended for `quiet` seconds, counted
+        """Until no call answered with one reply is in flight and none has ended for `quiet` seconds, counted
         from `since` (a time.monotonic()) at the earliest: a client that sends its next call on each reply
-        has had `quiet` to send it (GrpcServer.drain says why that matters)."""
+        has had `quiet` to send it (GrpcServer.drain says why that matters). Streams of replies do not count."""
         while True:
-            await self.wait_idle()
-            remaining = max(since, self.last_end or since) + quiet - time.monotonic()
-            if remaining <= 0 and not self.active:
+            while self.replying:
+                self._replies_idle = self._replies_idle or asyncio.Event()
+                self._replies_idle.clear()
+                await self._replies_idle.wait()
+            remaining = max(since, self.last_reply_end or since) + quiet - time.monotonic()
+            if remaining <= 0:
                 return
-            await asyncio.sleep(max(remaining, 0.0))
+            await asyncio.sleep(remaining)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -134,7 +142,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_unary(self, behavior, rpc: str):
         async def wrapped(request, context):
             outcome = _Outcome()
-            start = self._begin(rpc, context)
+            start = self._begin(rpc, context, one_reply=True)
             entered = self._enter_request(rpc, context)
             try:
                 self._check_caller(context)
@@ -155,7 +163,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, behavior, rpc: str):
         async def wrapped(request, context):
             outcome = _Outcome()
-            start = self._begin(rpc, context)
+            start = self._begin(rpc, context, one_reply=False)
             entered = self._enter_request(rpc, context)
             try:
                 self._check_caller(context)
@@ -225,21 +233,26 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             log.exception("unexpected error in %s", rpc)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__} (details in the server log)")
 
-    def _begin(self, rpc: str, context) -> float:
+    def _begin(self, rpc: str, context, one_reply: bool) -> float:
         # In flight until grpc has taken the call's last reply and status (the done callback), not merely
         # until the handler returned. That is still before the client has them all: the drain must not
         # force-close connections on idle (see GrpcServer.drain).
         self.active += 1
-        context.add_done_callback(self._call_done)
+        self.replying += one_reply
+        context.add_done_callback(functools.partial(self._call_done, one_reply))
         if self._metrics is not None:
             self._metrics.requests_in_flight.labels(rpc=rpc).inc()
         return time.perf_counter()
 
-    def _call_done(self, context) -> None:
+    def _call_done(self, one_reply: bool, context) -> None:
         self.active -= 1
-        self.last_end = time.monotonic()
         if not self.active and self._idle is not None:
             self._idle.set()
+        if one_reply:
+            self.replying -= 1
+            self.last_reply_end = time.monotonic()
+            if not self.replying and self._replies_idle is not None:
+                self._replies_idle.set()
 
     def _end(self, rpc: str, start: float, outcome: _Outcome, context) -> None:
         if outcome.code == "OK":  # a handler may set a code without raising

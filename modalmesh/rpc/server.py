@@ -3,7 +3,7 @@
 `GrpcServer` wraps grpc.aio with health (NOT_SERVING until the service says it is
 ready), reflection, message limits, keepalive, a max connection age (so
 round_robin clients re-resolve and find new replicas), the status interceptor,
-and a graceful drain: health NOT_SERVING, the calls in flight end, then grpc's
+and a graceful drain: health NOT_SERVING, the one-reply calls in flight end, then grpc's
 GOAWAY refuses new calls, stop within a grace period (`GrpcServer.drain` says why
 in that order). `serve_until_signal` runs that life cycle around a service's own
 start-up and shutdown on SIGTERM / SIGINT.
@@ -161,7 +161,7 @@ class GrpcServer:
             self.metrics.ready.set(1 if serving else 0)
 
     async def drain(self) -> None:
-        """NOT_SERVING; the calls in flight end before grpc's GOAWAY; then new calls are refused; stop.
+        """NOT_SERVING; the calls with one reply in flight end before grpc's GOAWAY; new calls refused; stop.
 
         Why this order. grpc's stop(grace) sends a GOAWAY (GOAWAY, a PING, the final GOAWAY on its ack)
         and then closes each connection as soon as its last stream has been written to the socket. A
@@ -169,32 +169,35 @@ class GrpcServer:
         off: the client, still reading the reply's tail from its socket, sends WINDOW_UPDATEs to a closed
         socket, the server's kernel answers with a reset and the client's kernel drops the unread tail
         (UNAVAILABLE on a call the server finished; test_a_call_answered_during_the_drain_reaches_its_
-        client_whole). Here the GOAWAY comes only once the calls in flight have ended, i.e. once grpc has
-        written their last reply and status to the socket (the interceptor's count, see
-        StatusInterceptor._begin): the GOAWAY's PING then follows every reply byte on the connection, and
-        grpc closes only after the client's PING ack, which the client sends after it has read all of
-        them (and its WINDOW_UPDATEs for them).
+        client_whole). So where calls answered with one reply are in flight as the drain begins, the
+        GOAWAY comes only once they have ended, i.e. once grpc has written their last reply and status to
+        the socket (the interceptor's count, see StatusInterceptor._begin): the GOAWAY's PING then follows
+        every reply byte on the connection, and grpc closes only after the client's PING ack, which the
+        client sends after it has read all of them (and its WINDOW_UPDATEs for them).
 
-        While the calls in flight finish (at most `drain_leave_seconds`), the server still takes new
-        calls and serves them — none is refused, so a non-idempotent one (Generate) is never failed for
-        the drain: clients that follow health (channel.aio_channel(health_check=True)) stop sending here
-        the moment health says NOT_SERVING; the others are served until the GOAWAY, after which grpc
-        refuses new streams at the transport level and clients retry them on another connection or
-        replica by themselves. (An earlier fix refused calls in the interceptor before the GOAWAY: round
-        robin clients kept sending to the draining replica and their non-idempotent calls failed.) A
-        call still in flight when that phase ends finishes after the GOAWAY, as every call did before.
+        Until then (at most `drain_leave_seconds`) the server still takes new calls and serves them: none
+        is refused before the GOAWAY, after which grpc refuses new streams at the transport level and
+        clients retry them on another connection or replica by themselves. Clients that follow health
+        (channel.aio_channel(health_check=True)) stop sending here the moment health says NOT_SERVING. (An
+        earlier fix refused calls in the interceptor before the GOAWAY: round robin clients kept sending
+        to the draining replica and their non-idempotent calls failed.)
+
+        Streams of replies (an LLM's Generate, minutes long) do not hold the GOAWAY: new calls would be
+        taken all that while and then cut at the grace's end. With none of the one-reply calls in flight,
+        the GOAWAY goes out at once, as it always did. A stream's last replies are small (the client's
+        flow-control window holds them without a WINDOW_UPDATE), so its end is not cut as a large reply's.
         """
         loop = asyncio.get_running_loop()
         began = loop.time()
         await self.set_serving(False)
         if self.draining is not None:
             self.draining.set()  # services end what they were holding (their replies go out before the GOAWAY)
-        # Quiet: no call in flight and none ended for drain_quiet_seconds, counted from now at the earliest.
+        # Quiet: no one-reply call in flight and none ended for drain_quiet_seconds, from now at the earliest.
         # Not the moment the last call ends: a client that sends its next call on each reply would send it
         # as the GOAWAY goes out, and grpc cancels a call that reaches a server whose stop has begun
         # (CANCELLED, not retried: grpc/grpc#41785). Clients that follow health have stopped by then.
         leave = min(self.config.drain_leave_seconds, self.config.grace_seconds / 2)
-        if leave > 0:
+        if leave > 0 and self.interceptor.replying:
             try:
                 await asyncio.wait_for(
                     self.interceptor.wait_quiet(self.config.drain_quiet_seconds, time.monotonic()), leave)

@@ -49,6 +49,7 @@ def _kernel():
         WINDOW_LEFT: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr, SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)  # a query token; its sequence's block-table row is `seq`
+        scale = scale.to(tl.float32)  # float64 under torch.compile: the softmax's loop-carried state stays float32
         kvh = tl.program_id(1)
         split = tl.program_id(2)  # with SPLITS > 1: this program's share of the context (flash-decoding)
         ctx = tl.load(ContextLens + row)  # per token (PER_TOKEN) or per sequence: the same index
