@@ -283,7 +283,7 @@ def test_a_call_made_during_the_drain_before_its_goaway_is_served_not_refused():
                 assert (await stub.Info(pb.InfoRequest(), timeout=10)).service == "held"  # served
                 answered = clock.monotonic()
                 await asyncio.wait_for(draining, 20)
-                assert clock.monotonic() - answered >= 0.9  # the GOAWAY waited for 1 s without a call
+                assert clock.monotonic() - answered >= 0.7  # the GOAWAY waited for 1 s without a call (margin for a loaded machine)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Info(pb.InfoRequest(), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
