@@ -69,9 +69,11 @@ def test_a_replica_that_says_not_serving_gets_no_more_calls_from_a_health_checki
 
 def test_a_draining_replica_loses_a_health_checking_clients_calls_before_its_goaway():
     # Calls that are not retried (retry_methods=(): as a Generate) keep coming while replica a drains: none
-    # fails, and a's drain is quiet at once (no GOAWAY race, no drain_leave_seconds wait).
+    # fails, and a's drain is quiet well before drain_leave_seconds. The quiet period is 2 s here, not 0.5:
+    # on a loaded CI machine the client's health watch once took longer than 0.5 s to move it off a, and a
+    # call that reached a as its GOAWAY went out was CANCELLED (grpc/grpc#41785)
     async def body():
-        (server_a, encoder_a), (server_b, _) = build(name="a"), build(name="b")
+        (server_a, encoder_a), (server_b, _) = build(name="a", drain_quiet_seconds=2.0), build(name="b")
         port_a, port_b = await server_a.start(), await server_b.start()
         failures: list[str] = []
         answered_after: list[str] = []

@@ -81,8 +81,8 @@ class EchoEncoder(pb.encoder_pb2_grpc.EncoderServiceServicer):
         return pb.ServiceInfo(service=self.name, ready=True)
 
 
-def build(port: int = 0, grace: float = 10.0, metrics: Metrics | None = None, name: str = "echo"):
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=port, grace_seconds=grace), metrics)
+def build(port: int = 0, grace: float = 10.0, metrics: Metrics | None = None, name: str = "echo", **config):
+    server = GrpcServer(ServerConfig(host="127.0.0.1", port=port, grace_seconds=grace, **config), metrics)
     servicer = EchoEncoder(server, name)
     server.add_service(pb.ENCODER_SERVICE, pb.encoder_pb2_grpc.add_EncoderServiceServicer_to_server, servicer)
     return server, servicer
